@@ -1,0 +1,309 @@
+"""The model side against Hugging Face transformers, on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file, save_file
+
+from checkpoints import ARCHS, make_checkpoint, make_eagle3_checkpoint
+from tidal.attention.torch_ref import TorchAttention
+from tidal.batch import ForwardBatch
+from tidal.layers.rotary import RotaryEmbedding
+from tidal.models.config import ModelConfig
+from tidal.models.eagle3 import Eagle3Config, load_eagle3
+from tidal.models.loader import default_aux_layer_ids, load_model
+
+PAGE_SIZE = 4
+ATOL = 1e-4
+PROMPTS = [[5, 17, 99, 3, 250], list(range(100, 111)), [7, 300, 42, 8, 13, 21, 34, 55, 89, 144, 233, 377, 10, 11, 12, 6, 9]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch, tied, sharded) -> folder, each written once per module."""
+    cache = {}
+
+    def get(arch: str, tied: bool = False, sharded: bool = False):
+        key = (arch, tied, sharded)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{arch}-{'tied' if tied else 'untied'}-{'sharded' if sharded else 'single'}")
+            cache[key] = make_checkpoint(path, arch, tie_embeddings=tied, sharded=sharded)
+        return cache[key]
+
+    return get
+
+
+def hf_model(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+class Runner:
+    """A minimal runner: each request gets pages interleaved with the others' (so the
+    page table matters) and tokens go through ForwardBatch.build."""
+
+    def __init__(self, model, num_requests: int, max_len: int = 64):
+        cfg = model.config
+        self.model = model
+        pages_each = math.ceil(max_len / PAGE_SIZE)
+        self.pages = [[r + num_requests * j for j in range(pages_each)] for r in range(num_requests)]
+        shape = (2, num_requests * pages_each, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape) for _ in range(cfg.num_layers)]
+
+    def step(self, tokens: list[list[int]], context_lens: list[int], requests: list[int] | None = None):
+        """Run the given query tokens; returns per-request logits (and the batch output)."""
+        requests = requests if requests is not None else list(range(len(tokens)))
+        batch = ForwardBatch.build(tokens, context_lens, [self.pages[r] for r in requests], PAGE_SIZE, "cpu")
+        with torch.no_grad():
+            out = self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+            hidden = out[0] if isinstance(out, tuple) else out
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split([len(t) for t in tokens])), out
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_matches_transformers(checkpoint, arch, tied, sharded):
+    path = checkpoint(arch, tied, sharded)
+    assert (path / "model.safetensors.index.json").is_file() == sharded
+    model = load_model(path, torch.float32, "cpu", TorchAttention())
+    assert model.config.tie_word_embeddings == tied
+    assert (model.lm_head is None) == tied
+    reference = hf_model(path)
+    logits, _ = Runner(model, len(PROMPTS)).step(PROMPTS, [0] * len(PROMPTS))
+    for prompt, got in zip(PROMPTS, logits):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, hf_logits(reference, prompt), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_and_decode_match_transformers(checkpoint, arch):
+    path = checkpoint(arch)
+    model = load_model(path, torch.float32, "cpu", TorchAttention())
+    reference = hf_model(path)
+    runner = Runner(model, len(PROMPTS))
+    splits = [2, 8, 9]
+    runner.step([p[:s] for p, s in zip(PROMPTS, splits)], [0, 0, 0])
+    # Second chunks of requests 0 and 2 only (request 1 sits this step out).
+    logits, _ = runner.step([PROMPTS[0][2:], PROMPTS[2][9:]], [2, 9], requests=[0, 2])
+    torch.testing.assert_close(logits[0], hf_logits(reference, PROMPTS[0])[2:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_logits(reference, PROMPTS[2])[9:], atol=ATOL, rtol=0)
+    # Request 1 finishes its prompt while 0 and 2 decode one token each.
+    next_tokens = [int(logits[0][-1].argmax()), int(logits[1][-1].argmax())]
+    logits, _ = runner.step(
+        [[next_tokens[0]], PROMPTS[1][8:], [next_tokens[1]]],
+        [len(PROMPTS[0]), 8, len(PROMPTS[2])],
+    )
+    torch.testing.assert_close(logits[0][-1], hf_logits(reference, PROMPTS[0] + [next_tokens[0]])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_logits(reference, PROMPTS[1])[8:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[2][-1], hf_logits(reference, PROMPTS[2] + [next_tokens[1]])[-1], atol=ATOL, rtol=0)
+
+
+def test_greedy_decode_matches_transformers_generate(checkpoint):
+    path = checkpoint("qwen3")
+    model = load_model(path, torch.float32, "cpu", TorchAttention())
+    prompt = PROMPTS[1]
+    expected = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    runner = Runner(model, 1)
+    tokens, context = list(prompt), 0
+    while len(tokens) < expected.shape[1]:
+        logits, _ = runner.step([tokens[context:]], [context])
+        context = len(tokens)
+        tokens.append(int(logits[0][-1].argmax()))
+    assert tokens == expected[0].tolist()
+    assert len(set(tokens[len(prompt):])) > 4, "tiny model collapsed onto a repeated token"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_aux_hidden_states_match_transformers(checkpoint, arch):
+    path = checkpoint(arch)
+    model = load_model(path, torch.float32, "cpu", TorchAttention())
+    model.aux_layer_ids = (2, 0, 1)
+    reference = hf_model(path)
+    _, (hidden, aux) = Runner(model, len(PROMPTS)).step(PROMPTS, [0] * len(PROMPTS))
+    H = model.config.hidden_size
+    assert aux.shape == (hidden.shape[0], 3 * H)
+    for prompt, got in zip(PROMPTS, aux.split([len(p) for p in PROMPTS])):
+        with torch.no_grad():
+            states = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+        for k, layer in enumerate(model.aux_layer_ids):
+            torch.testing.assert_close(got[:, k * H : (k + 1) * H], states[layer + 1][0], atol=ATOL, rtol=0)
+
+
+def test_checkpoint_tokenizer_fits_the_model(checkpoint):
+    path = checkpoint("qwen2")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    assert len(tok) == ModelConfig.from_pretrained(path).vocab_size
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+    text = "Hello there, speculative world!"
+    assert tok.decode(tok(text).input_ids) == text
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<|user|>hi\n<|assistant|>"
+
+
+def test_default_aux_layer_ids():
+    assert default_aux_layer_ids(32) == (1, 15, 28)
+    assert default_aux_layer_ids(8) == (1, 3, 4)
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0}, {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}])
+def test_rotary_tables_match_transformers(rope):
+    hf_config = transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=512,
+        rope_parameters={"rope_theta": 500000.0, **(rope or {"rope_type": "default"})},
+    )
+    hf_rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
+    positions = torch.arange(300)
+    cos, sin = hf_rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours = RotaryEmbedding(64, 512, 500000.0, rope)
+    our_cos, our_sin = ours.cos_sin[positions].chunk(2, dim=-1)
+    torch.testing.assert_close(torch.cat([our_cos, our_cos], -1), cos[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat([our_sin, our_sin], -1), sin[0], atol=1e-6, rtol=0)
+
+
+def test_config_reads_old_and_new_rope_keys(checkpoint):
+    new = ModelConfig.from_pretrained(checkpoint("llama"))
+    assert new.rope_scaling["rope_type"] == "llama3" and new.rope_theta == 10000.0
+    raw = json.loads((checkpoint("llama") / "config.json").read_text())
+    raw.pop("rope_parameters")
+    raw.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    old = ModelConfig.from_dict(raw)
+    assert old.rope_theta == 500000.0 and old.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    raw["rope_scaling"] = None
+    assert ModelConfig.from_dict(raw).rope_scaling is None
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_dict(raw)
+
+
+def test_config_fields(checkpoint):
+    qwen2 = ModelConfig.from_pretrained(checkpoint("qwen2"))
+    assert qwen2.architecture == "Qwen2ForCausalLM" and qwen2.attention_bias and not qwen2.qk_norm
+    qwen3 = ModelConfig.from_pretrained(checkpoint("qwen3"))
+    assert qwen3.qk_norm and not qwen3.attention_bias and qwen3.head_dim == 16
+    assert qwen3.eos_token_ids == (2,) and qwen3.bos_token_id == 1
+    assert qwen3.num_heads == 4 and qwen3.num_kv_heads == 2 and qwen3.vocab_size == 384
+    raw = json.loads((checkpoint("mistral") / "config.json").read_text())
+    raw["sliding_window"] = 100
+    assert ModelConfig.from_dict(raw, {"eos_token_id": [2, 7]}).max_position_embeddings == 100
+    assert ModelConfig.from_dict(raw, {"eos_token_id": [2, 7]}).eos_token_ids == (2, 7)
+
+
+def test_unsupported_architecture(tmp_path, checkpoint):
+    shutil.copytree(checkpoint("llama"), tmp_path, dirs_exist_ok=True)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model(tmp_path, torch.float32, "cpu", TorchAttention())
+
+
+def test_missing_tensor(tmp_path, checkpoint):
+    shutil.copytree(checkpoint("qwen2"), tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_model(tmp_path, torch.float32, "cpu", TorchAttention())
+
+
+def test_bfloat16_model_runs(checkpoint):
+    path = checkpoint("llama")
+    model = load_model(path, torch.bfloat16, "cpu", TorchAttention())
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.rotary.cos_sin.dtype == torch.float32
+    runner = Runner(model, len(PROMPTS))
+    runner.kv_caches = [c.bfloat16() for c in runner.kv_caches]
+    logits, _ = runner.step(PROMPTS, [0] * len(PROMPTS))
+    reference = hf_logits(hf_model(path), PROMPTS[2])
+    assert (logits[2].argmax(-1) == reference.argmax(-1)).float().mean() > 0.8
+
+
+def eagle3_reference(tensors: dict, embed: torch.Tensor, head_dim: int, tokens: list[int], hidden: torch.Tensor):
+    """One EAGLE-3 layer over a whole sequence (hidden already of width H), written from
+    the raw checkpoint tensors: returns (prenorm, draft logits)."""
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    w = {k.removeprefix("midlayer."): v for k, v in tensors.items()}
+    x = torch.cat([rms(embed[tokens], w["input_layernorm.weight"]), rms(hidden, w["hidden_norm.weight"])], -1)
+    T = len(tokens)
+    q, k, v = ((x @ w[f"self_attn.{p}_proj.weight"].T).view(T, -1, head_dim).transpose(0, 1) for p in "qkv")
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(T).float()[:, None] * inv_freq
+    cos, sin = torch.cat([freqs.cos()] * 2, -1), torch.cat([freqs.sin()] * 2, -1)
+
+    def rope(t):
+        t1, t2 = t.chunk(2, -1)
+        return t * cos + torch.cat([-t2, t1], -1) * sin
+
+    attn = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+    h = attn.transpose(0, 1).reshape(T, -1) @ w["self_attn.o_proj.weight"].T + hidden
+    m = rms(h, w["post_attention_layernorm.weight"])
+    prenorm = (F.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T + h
+    return prenorm, rms(prenorm, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("with_embedding", [True, False], ids=["own-embedding", "shared-embedding"])
+def test_eagle3_head_matches_reference(tmp_path, checkpoint, with_embedding):
+    target_path = checkpoint("llama")
+    target = load_model(target_path, torch.float32, "cpu", TorchAttention())
+    draft_path = make_eagle3_checkpoint(tmp_path, target_path, with_embedding=with_embedding, aux_layer_ids=(0, 1, 2))
+    head = load_eagle3(draft_path, target, torch.float32, "cpu", TorchAttention())
+    assert (head.embed_tokens is target.embed_tokens) != with_embedding
+    assert head.cfg.aux_layer_ids == (0, 1, 2) and head.cfg.draft_vocab_size == 128
+    tensors = load_file(draft_path / "model.safetensors")
+    embed = tensors["embed_tokens.weight"] if with_embedding else target.embed_tokens.weight
+    # The target's prefill gives the aux states; the drafter absorbs all but the last
+    # token from them, then takes one step fed with its own prenorm state.
+    target.aux_layer_ids = head.cfg.aux_layer_ids
+    tokens = PROMPTS[2]
+    _, (_, aux) = Runner(target, 1).step([tokens], [0])
+    n = len(tokens) - 1
+    cfg = head.cfg.model
+    kv_cache = torch.zeros(2, 8, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim)
+    pages = [[3, 1, 4, 0, 5, 2]]
+    with torch.no_grad():
+        batch = ForwardBatch.build([tokens[:n]], [0], pages, PAGE_SIZE, "cpu")
+        first = head(batch.input_ids, aux[:n], batch.positions, batch, kv_cache)
+        batch = ForwardBatch.build([tokens[n:]], [n], pages, PAGE_SIZE, "cpu")
+        second = head(batch.input_ids, first[-1:], batch.positions, batch, kv_cache)
+        logits = head.compute_logits(torch.cat([first, second]))
+        hidden = torch.cat([aux[:n] @ tensors["fc.weight"].T, first[-1:]])
+        ref_prenorm, ref_logits = eagle3_reference(tensors, embed, cfg.head_dim, tokens, hidden)
+    torch.testing.assert_close(torch.cat([first, second]), ref_prenorm, atol=ATOL, rtol=0)
+    assert logits.shape == (len(tokens), 128) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    target_ids = head.draft_to_target(logits.argmax(-1))
+    assert bool(head.t2d[target_ids].all()) and int(target_ids.max()) < target.config.vocab_size
+
+
+def test_eagle3_config_errors(tmp_path, checkpoint):
+    target_path = checkpoint("llama")
+    target_cfg = ModelConfig.from_pretrained(target_path)
+    draft_path = make_eagle3_checkpoint(tmp_path / "head", target_path)
+    cfg = Eagle3Config.from_pretrained(draft_path, target_cfg)
+    assert cfg.aux_layer_ids is None and cfg.target_hidden_size == target_cfg.hidden_size
+    assert cfg.model.max_position_embeddings == target_cfg.max_position_embeddings
+    with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
+        Eagle3Config.from_pretrained(target_path)
+    raw = json.loads((draft_path / "config.json").read_text())
+    raw.update(target_hidden_size=96, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 9]})
+    (draft_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"target_hidden_size 96.*aux layer ids \[9\]"):
+        Eagle3Config.from_pretrained(draft_path, target_cfg)

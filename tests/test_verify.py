@@ -1,0 +1,213 @@
+import pytest
+import torch
+
+import tidal.spec.verify as verify_module
+from tidal.config import SamplingParams
+from tidal.layers.sampler import SamplingTensors, processed_probs, sample
+from tidal.spec.verify import verify
+
+ALPHA = 1e-3  # significance level of every chi-square test below
+N = 20_000    # rows (independent seeds) per statistical test
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """P-value of observed counts against expected probabilities (cells with p > 0)."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    keep = probs > 0
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    stat = ((counts[keep] - expected) ** 2 / expected).sum()
+    dof = torch.tensor(keep.sum().item() - 1, dtype=torch.float64)
+    return torch.special.gammaincc(dof / 2, stat / 2).item()
+
+
+def greedy_st(n):
+    return SamplingTensors.build([SamplingParams(temperature=0)] * n, list(range(n)), "cpu")
+
+
+def one_hot_logits(argmaxes, V):
+    """Logits [B, W, V] whose argmax at [i, j] is argmaxes[i][j]."""
+    return torch.nn.functional.one_hot(torch.tensor(argmaxes), V).float() * 5 + torch.randn(len(argmaxes), len(argmaxes[0]), V)
+
+
+def test_greedy_by_hand():
+    V = 10
+    logits = one_hot_logits([[1, 2, 3, 4], [1, 2, 3, 4], [7, 8, 9, 0], [5, 6, 7, 8]], V)
+    drafts = torch.tensor([
+        [1, 2, 3],  # all accepted -> bonus 4
+        [9, 2, 3],  # first rejected -> correction 1
+        [7, 8, 9],  # K = 0: drafts are padding -> plain decode 7
+        [5, 9, 7],  # K = 2, second rejected -> 5 then correction 6
+    ])
+    lens = torch.tensor([3, 3, 0, 2])
+    tokens, accept = verify(logits, drafts, None, lens, greedy_st(4), torch.zeros(4, dtype=torch.int64))
+    assert accept.tolist() == [4, 1, 1, 2]
+    committed = [tokens[i, :a].tolist() for i, a in enumerate(accept.tolist())]
+    assert committed == [[1, 2, 3, 4], [1], [7], [5, 6]]
+    # padding past K_i is ignored even when it matches the target
+    tokens, accept = verify(logits[3:], torch.tensor([[5, 6, 7]]), None, torch.tensor([1]), greedy_st(1),
+                            torch.zeros(1, dtype=torch.int64))
+    assert accept.tolist() == [2] and tokens[0, :2].tolist() == [5, 6]
+
+
+def test_greedy_rows_in_a_sampling_batch_match_greedy_path():
+    torch.manual_seed(0)
+    B, W, V = 6, 4, 8
+    logits = torch.randn(B, W, V)
+    drafts = logits[:, :3].argmax(-1)
+    drafts[1, 0] = (drafts[1, 0] + 1) % V
+    drafts[2, 2] = (drafts[2, 2] + 1) % V
+    lens = torch.tensor([3, 3, 3, 2, 0, 1])
+    counters = torch.zeros(B, dtype=torch.int64)
+    expected, expected_accept = verify(logits, drafts, None, lens, greedy_st(B), counters)
+    params = [SamplingParams(temperature=0)] * (B - 1) + [SamplingParams(top_p=0.5)]
+    mixed = SamplingTensors.build(params, list(range(B)), "cpu")
+    for draft_probs in (None, torch.softmax(torch.randn(B, W - 1, V), -1)):
+        tokens, accept = verify(logits, drafts, draft_probs, lens, mixed, counters)
+        assert torch.equal(accept[:-1], expected_accept[:-1])
+        for i in range(B - 1):
+            assert torch.equal(tokens[i, :accept[i]], expected[i, :accept[i]])
+
+
+def test_no_drafts_is_plain_sampling():
+    torch.manual_seed(1)
+    B, V = 64, 30
+    logits = torch.randn(B, 1, V)
+    params = [SamplingParams(temperature=0.9, top_k=10), SamplingParams(min_p=0.1), SamplingParams(temperature=0)] * 21
+    st = SamplingTensors.build(params + [SamplingParams()], list(range(B)), "cpu")
+    counters = torch.arange(B) * 3
+    tokens, accept = verify(logits, torch.zeros(B, 0, dtype=torch.int64), None, torch.zeros(B, dtype=torch.int64),
+                            st, counters)
+    assert tokens.shape == (B, 1) and (accept == 1).all()
+    assert torch.equal(tokens[:, 0], sample(logits[:, 0], st, counters))
+
+
+def test_accept_lens_stay_in_range():
+    torch.manual_seed(2)
+    B, W, V = 500, 5, 6
+    logits = torch.randn(B, W, V)
+    lens = torch.randint(0, W, (B,))
+    drafts = torch.randint(0, V, (B, W - 1))
+    q = torch.softmax(torch.randn(B, W - 1, V), -1)
+    st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu")
+    for draft_probs in (None, q):
+        for sim in (None, 0.7):
+            _, accept = verify(logits, drafts, draft_probs, lens, st, torch.zeros(B, dtype=torch.int64), sim)
+            assert ((accept >= 1) & (accept <= lens + 1)).all()
+
+
+# --- sampling losslessness -------------------------------------------------------------
+# The target is a Markov chain T[prev] over V = 5 tokens and the drafter a different chain
+# Q[prev]. Committed tokens must follow T whatever the drafter does.
+
+V = 5
+T = torch.tensor([
+    [0.40, 0.25, 0.15, 0.12, 0.08],
+    [0.10, 0.20, 0.30, 0.25, 0.15],
+    [0.30, 0.10, 0.10, 0.20, 0.30],
+    [0.15, 0.35, 0.20, 0.10, 0.20],
+    [0.20, 0.20, 0.20, 0.20, 0.20],
+])
+Q = torch.tensor([
+    [0.05, 0.10, 0.15, 0.30, 0.40],
+    [0.50, 0.10, 0.10, 0.20, 0.10],
+    [0.10, 0.60, 0.10, 0.10, 0.10],
+    [0.30, 0.05, 0.30, 0.30, 0.05],
+    [0.70, 0.10, 0.10, 0.05, 0.05],
+])
+START = 0  # the last committed token
+
+
+def spec_step(prev, seeds, counters, params, K=2, stochastic_draft=True, simulate=None):
+    """One speculative step after token `prev` [n]: draft K tokens from Q (or take Q's
+    argmax, a deterministic draft), score them with T, verify."""
+    n = prev.shape[0]
+    gen = torch.Generator().manual_seed(int(counters[0]) + 99)
+    inputs, q = [prev], []
+    for _ in range(K):
+        dist = Q[inputs[-1]]
+        q.append(dist)
+        if stochastic_draft:
+            inputs.append(torch.multinomial(dist, 1, generator=gen).squeeze(1))
+        else:
+            inputs.append(dist.argmax(-1))
+    logits = torch.log(T[torch.stack(inputs, 1)])  # [n, K + 1, V]
+    drafts = torch.stack(inputs[1:], 1)
+    draft_probs = torch.stack(q, 1) if stochastic_draft else None
+    st = SamplingTensors.build(params, seeds, "cpu")
+    return verify(logits, drafts, draft_probs, torch.full((n,), K), st, counters, simulate)
+
+
+def first_two_tokens(params=None, **kwargs):
+    """The first two committed tokens of N independent requests: from one step, or from a
+    second step for requests whose first step committed only one token."""
+    params = params or [SamplingParams(temperature=1.0)] * N
+    seeds = list(range(N))
+    prev = torch.full((N,), START)
+    tokens, accept = spec_step(prev, seeds, torch.zeros(N, dtype=torch.int64), params, **kwargs)
+    first = tokens[:, 0]
+    more, _ = spec_step(first, seeds, torch.ones(N, dtype=torch.int64), params, **kwargs)
+    second = torch.where(accept >= 2, tokens[:, 1], more[:, 0])
+    return first, second
+
+
+def joint_counts(first, second):
+    return torch.bincount(first * V + second, minlength=V * V)
+
+
+TARGET_JOINT = T[START].unsqueeze(1) * T  # P(first, second)
+
+
+@pytest.mark.parametrize("stochastic_draft", [True, False])
+def test_speculative_sampling_is_lossless(stochastic_draft):
+    first, second = first_two_tokens(stochastic_draft=stochastic_draft)
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), T[START]) > ALPHA
+    assert chi_square_pvalue(joint_counts(first, second), TARGET_JOINT) > ALPHA
+
+
+def test_control_resampling_from_p_is_detected(monkeypatch):
+    """A verifier that resamples from p instead of max(p - q, 0) must fail the same test."""
+    monkeypatch.setattr(verify_module, "_residual", lambda p, *args: p)
+    first, second = first_two_tokens()
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), T[START]) < ALPHA
+    assert chi_square_pvalue(joint_counts(first, second), TARGET_JOINT) < ALPHA
+
+
+def test_control_always_accepting_is_detected():
+    first, second = first_two_tokens(simulate=1.0)
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), T[START]) < ALPHA
+    assert chi_square_pvalue(joint_counts(first, second), TARGET_JOINT) < ALPHA
+
+
+def test_lossless_under_temperature_and_filters():
+    """p is the processed target distribution, as `sample` would use."""
+    params = SamplingParams(temperature=0.7, top_k=4, min_p=0.2)
+    first, second = first_two_tokens(params=[params] * N)
+    st1 = SamplingTensors.build([params], [0], "cpu")
+    p = processed_probs(torch.log(T), st1.repeat_rows(V))  # [V, V]: processed row per previous token
+    assert (p == 0).any()
+    counts = joint_counts(first, second)
+    expected = p[START].unsqueeze(1) * p
+    assert (counts[expected.flatten() == 0] == 0).all()
+    assert chi_square_pvalue(counts, expected) > ALPHA
+
+
+def test_simulated_acceptance_length_and_tokens():
+    K, rate = 4, 0.6
+    B = N
+    logits = torch.randn(1, K + 1, 50).expand(B, K + 1, 50)
+    drafts = torch.randint(0, 50, (B, K))
+    st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu")
+    tokens, accept = verify(logits, drafts, None, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64), rate)
+    accepted = (accept - 1).double()
+    expected = sum(rate ** j for j in range(1, K + 1))
+    assert abs(accepted.mean().item() - expected) < 4 * accepted.std().item() / B ** 0.5
+    for i in range(100):
+        a = accept[i].item()
+        assert tokens[i, :a - 1].tolist() == drafts[i, :a - 1].tolist()
+        assert tokens[i, a - 1].item() == logits[i, a - 1].argmax().item()
+    # the rate also holds for sampling rows and ragged draft lengths
+    lens = torch.randint(0, K + 1, (B,))
+    st = SamplingTensors.build([SamplingParams()] * B, list(range(B)), "cpu")
+    _, accept = verify(logits, drafts, None, lens, st, torch.zeros(B, dtype=torch.int64), rate)
+    expected = sum(sum(rate ** j for j in range(1, k + 1)) for k in range(K + 1)) / (K + 1)
+    assert abs((accept - 1).double().mean().item() - expected) < 0.03

@@ -1,0 +1,5 @@
+import sys
+
+from tidal.cli import main
+
+sys.exit(main())

@@ -1,0 +1,76 @@
+"""Command line: `tidal generate | serve | bench` (also `python -m tidal`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the embedded demo model)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    from tidal.demo import default_model_dir
+
+    return dict(model=args.model or default_model_dir(), device=args.device, dtype=args.dtype,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                speculative_config=args.speculative_config)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tidal import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    start = time.monotonic()
+    outputs = llm.generate(args.prompts, params)
+    elapsed = time.monotonic() - start
+    total = 0
+    for out in outputs:
+        completion = out.outputs[0]
+        total += len(completion.token_ids)
+        print(f"--- prompt: {out.prompt!r}")
+        print(completion.text)
+        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    stats = llm.engine.stats()
+    print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s), {stats['num_steps']} steps")
+    if args.speculative_config:
+        spec = stats["spec"]
+        print(f"speculation: mean accepted length {spec['mean_accepted_length']:.2f}, "
+              f"acceptance per position {[round(a, 2) for a in spec['acceptance_per_position']]}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal", description="LLM serving with load-adaptive speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate completions for prompts given on the command line")
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""User-facing configuration: frozen, validated dataclasses. A bad value is a ValueError
+that names the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
+SPEC_POLICIES = ("off", "fixed", "table", "goodput")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each request's tokens. Names and defaults follow vLLM."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1           # -1 (or 0) = off
+    min_p: float = 0.0
+    seed: int | None = None   # per-request seed: same seed, same output
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled one)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding, with vLLM's key names. `policy` decides each request's draft
+    length per step; `num_speculative_tokens` is the most it may choose."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    policy: str = "fixed"
+    prompt_lookup_min: int = 2           # n-gram sizes tried, longest first
+    prompt_lookup_max: int = 4
+    simulate_acceptance: float | None = None  # benchmark only: accept each draft with this probability
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method: unknown method {self.method!r}; expected one of {SPEC_METHODS}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.method in ("draft_model", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config.model: method {self.method!r} needs a drafter directory")
+        if self.policy not in SPEC_POLICIES:
+            raise ValueError(f"speculative_config.policy: unknown policy {self.policy!r}; expected one of {SPEC_POLICIES}")
+        if self.policy in ("table", "goodput"):
+            raise NotImplementedError(
+                f"speculative_config.policy {self.policy!r} is not implemented yet; use 'fixed' or 'off'")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        a = self.simulate_acceptance
+        if a is not None and not 0 <= a <= 1:
+            raise ValueError(f"speculative_config.simulate_acceptance must be in [0, 1], got {a!r}")
+
+    @staticmethod
+    def from_dict(d: dict | "SpecConfig" | None) -> "SpecConfig | None":
+        if d is None or isinstance(d, SpecConfig):
+            return d
+        known = {f.name for f in fields(SpecConfig)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known keys {sorted(known)}")
+        if "method" not in d or "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return SpecConfig(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int | None = None      # None = the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048    # token budget of one step (prefill chunks + decodes)
+    page_size: int = 16
+    num_pages: int | None = None          # None = size from gpu_memory_utilization (cuda) or kv_cache_memory_gb (cpu)
+    gpu_memory_utilization: float = 0.85
+    kv_cache_memory_gb: float = 1.0       # CPU only
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None  # None = "triton" on cuda, "torch" on cpu
+    seed: int = 0
+    speculative_config: SpecConfig | None = field(default=None)
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len!r}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2, got {self.num_pages!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        object.__setattr__(self, "speculative_config", SpecConfig.from_dict(self.speculative_config))

@@ -1,0 +1,218 @@
+"""LLMEngine.step(): schedule -> propose -> run and verify -> commit -> outputs; and the
+offline `LLM` API in vLLM's shape."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import fields
+from typing import Sequence
+
+from tqdm import tqdm
+
+from tidal.config import EngineConfig, SamplingParams, SpecConfig
+from tidal.kv_cache import PagePool
+from tidal.models.config import ModelConfig
+from tidal.request import CompletionOutput, Request, RequestOutput, SpecStats
+from tidal.runner import ModelRunner
+from tidal.scheduler import Scheduler, pages_for
+from tidal.spec import build_proposer
+from tidal.spec.policy import make_policy
+from tidal.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.runner = ModelRunner(config, self.model_config)
+        spec = config.speculative_config
+        self.proposer = build_proposer(spec, self.runner, self.model_config) if spec else None
+        self.runner.allocate_cache(self.proposer.bytes_per_page if self.proposer else 0)
+        if self.proposer:
+            self.proposer.allocate_cache()
+        self.pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            policy=make_policy(spec.policy, spec.num_speculative_tokens) if spec else None,
+            max_draft_len=spec.num_speculative_tokens if spec else 0)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.seeds = random.Random(config.seed)
+        self.ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem, touching no state."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                             "(the prompt and at least one generated token must fit)")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if pages_for(longest + self.scheduler.max_draft_len, self.pool.page_size) > self.pool.capacity:
+            raise ValueError(f"prompt: {longest} tokens of prompt and output do not fit in the KV cache "
+                             f"({self.pool.capacity} pages of {self.pool.page_size})")
+        request_id = request_id if request_id is not None else str(next(self.ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
+        return Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids)
+
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.token_ids, req.params.stop, req.params.include_stop_str_in_output)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        return self._finish_output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One forward step. Returns an output (with the text delta) for every request
+        that committed tokens or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.requests:
+            return []
+        drafts, probs = None, None
+        rows = [i for i, k in enumerate(plan.draft_lens) if k > 0]
+        if rows:
+            drafts = [[] for _ in plan.requests]
+            proposed, probs = self.proposer.propose(plan, rows)
+            for i, tokens in zip(rows, proposed):
+                drafts[i] = tokens
+                plan.draft_lens[i] = len(tokens)
+        spec = self.config.speculative_config
+        result = self.runner.execute(plan, drafts, probs, spec.simulate_acceptance if spec else None)
+        self.scheduler.commit(plan, result)
+        self.num_steps += 1
+        outputs = []
+        accept_lens = result.accept_lens.tolist()
+        for req, n in zip(plan.requests, accept_lens):
+            if n == 0 and not req.finished:
+                continue
+            self.num_generated_tokens += n
+            outputs.append(self._output(req))
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        detok = self.detokenizers[req.request_id]
+        delta = detok.add(req.token_ids[req.num_prompt_tokens + detok.num_tokens:])
+        if detok.stopped and not req.finished:
+            self.scheduler.finish(req, "stop", detok.stop_str)
+        if req.finished:
+            return self._finish_output(req, delta)
+        return self._make_output(req, delta)
+
+    def _finish_output(self, req: Request, delta: str | None = None) -> RequestOutput:
+        detok = self.detokenizers.pop(req.request_id)
+        if delta is None:
+            delta = detok.flush()
+        else:
+            delta += detok.flush()
+        self.requests.pop(req.request_id, None)
+        return self._make_output(req, delta, detok.text)
+
+    def _make_output(self, req: Request, delta: str, text: str | None = None) -> RequestOutput:
+        completion = CompletionOutput(0, delta, req.output_token_ids, req.finish_reason, req.stop_reason,
+                                      req.logprobs)
+        metrics = {
+            "num_prompt_tokens": req.num_prompt_tokens,
+            "num_cached_prompt_tokens": req.num_cached_prompt_tokens,
+            "num_preemptions": req.num_preemptions,
+            "arrival_time": req.arrival_time,
+            "first_token_time": req.first_token_time,
+            "finish_time": req.finish_time,
+            "spec": req.spec.as_dict(),
+            "full_text": text,
+        }
+        return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens], [completion],
+                             req.finished, metrics)
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_pages": self.pool.capacity,
+            "num_free_pages": self.pool.num_free,
+            "prefix_cache_hit_pages": self.pool.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_generated_tokens": self.num_generated_tokens,
+            "spec": self.scheduler.spec.as_dict(),
+        }
+
+
+class LLM:
+    """Offline inference: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str, speculative_config: dict | SpecConfig | None = None, **kwargs):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(kwargs) - known
+        if unknown:
+            raise ValueError(f"LLM: unknown arguments {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, speculative_config=speculative_config, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        # Validate every prompt before any is queued: a bad one leaves the engine untouched.
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for req in requests:
+            self.engine.add_request(req)
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        generated = self.engine.num_generated_tokens
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm or len(requests) < 2)
+        start = time.monotonic()
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    out.outputs[0].text = out.metrics.pop("full_text")
+                    done[out.request_id] = out
+                    bar.update(1)
+            elapsed = max(time.monotonic() - start, 1e-9)
+            bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - generated) / elapsed:.0f}", refresh=False)
+        bar.close()
+        return [done[r.request_id] for r in requests]

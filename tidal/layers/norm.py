@@ -1,0 +1,26 @@
+"""RMSNorm with an optional fused residual add (the decoder keeps the residual stream
+separate so each layer adds it inside the norm instead of in its own kernel)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) -> normed, or norm(x, residual) -> (norm(x + residual), x + residual).
+
+        Same order of operations as transformers: add in the model dtype, normalise in
+        float32, cast back, then scale by the weight."""
+        if residual is not None:
+            x = x + residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.weight * h.to(x.dtype)
+        return normed if residual is None else (normed, x)

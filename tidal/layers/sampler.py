@@ -1,0 +1,203 @@
+"""Batched token sampling without host syncs.
+
+Every random number is a pure function of (seed, counter, index, stream), computed by a
+counter-based hash in vectorised int64 ops. A seeded request therefore draws the same
+numbers whatever batch it lands in, and no generator state has to be carried between steps.
+`counter` is the index of the output token being produced; `stream` separates independent
+uses at the same counter (sampling vs. acceptance tests; proposers pick their own streams).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Sequence
+
+import torch
+
+from tidal.config import SamplingParams
+
+STREAM_SAMPLE = 0   # token sampling (plain decode, and the resample/bonus token of verification)
+STREAM_ACCEPT = 1   # accept/reject tests of speculative verification
+STREAM_DRAFT = 2    # free for a proposer that samples its drafts with this RNG
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (skeeto's hash-prospector `[16 21f0aaad 15 735a2d97 15]`).
+    Inputs hold values < 2^32 in int64 and both constants are < 2^31, so no product
+    reaches 2^63; masking keeps the arithmetic mod 2^32."""
+    x = x ^ (x >> 16)  # works on Python ints too
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+def _row_keys(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """One 32-bit key per (seed, counter, stream); seeds and counters broadcast."""
+    h = _mix32((seeds & _MASK32) ^ _mix32((stream & _MASK32) ^ 0x9E3779B9))
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    return _mix32(h ^ (counters & _MASK32))
+
+
+def _to_unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hash -> float32 uniform strictly inside (0, 1): the top 23 bits, centred,
+    are exact in float32, so the result is never 0 or 1."""
+    return ((h >> 9).to(torch.float32) + 0.5) * (2.0 ** -23)
+
+
+def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in (0, 1), one per element of broadcast(seeds, counters)."""
+    return _to_unit(_row_keys(seeds, counters, stream))
+
+
+def hash_uniform_vocab(seeds: torch.Tensor, counters: torch.Tensor, stream: int, vocab_size: int) -> torch.Tensor:
+    """Uniforms [..., vocab_size] in (0, 1): one per (row, vocabulary index)."""
+    keys = _row_keys(seeds, counters, stream)
+    cols = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))
+    return _to_unit(_mix32(keys.unsqueeze(-1) ^ cols))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device copy that does not wait for the device (pinned + non_blocking)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the device, plus host-side flags computed once at
+    build time so that unused work is skipped without looking at device values."""
+
+    temperature: torch.Tensor  # [N] float32, 0 = greedy
+    top_k: torch.Tensor        # [N] int64, <= 0 = off
+    top_p: torch.Tensor        # [N] float32, 1 = off
+    min_p: torch.Tensor        # [N] float32, 0 = off
+    seeds: torch.Tensor        # [N] int64
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_top_k: int             # largest active top_k (0 if none), for torch.topk without a sync
+
+    @staticmethod
+    def build(params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str) -> "SamplingTensors":
+        """`seeds[i]` is request i's seed (its own `params.seed`, or one the engine drew)."""
+        if len(params) != len(seeds):
+            raise ValueError(f"got {len(params)} sampling params but {len(seeds)} seeds")
+        device = torch.device(device)
+        top_ks = [p.top_k if p.top_k > 0 and p.temperature > 0 else 0 for p in params]
+        sampling = [p for p in params if p.temperature > 0]
+        host = dict(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor(top_ks, dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            seeds=torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64),
+        )
+        return SamplingTensors(
+            **{name: _to_device(t, device) for name, t in host.items()},
+            all_greedy=not sampling,
+            any_greedy=len(sampling) < len(params),
+            need_top_k=any(k > 0 for k in top_ks),
+            need_top_p=any(p.top_p < 1 for p in sampling),
+            need_min_p=any(p.min_p > 0 for p in sampling),
+            max_top_k=max(top_ks, default=0),
+        )
+
+    def repeat_rows(self, counts: int | Sequence[int]) -> "SamplingTensors":
+        """Expand to one row per logits row: request i repeated `counts` times (an int for
+        all, or one count per request from the host). No device sync either way."""
+        if isinstance(counts, int):
+            def expand(t):
+                return t.unsqueeze(1).expand(-1, counts).reshape(-1)
+        else:
+            if len(counts) != self.seeds.shape[0]:
+                raise ValueError(f"got {len(counts)} counts for {self.seeds.shape[0]} rows")
+            index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
+            index = _to_device(index, self.seeds.device)
+
+            def expand(t):
+                return t.index_select(0, index)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SamplingTensors(**{k: expand(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+
+    def select(self, rows: Sequence[int]) -> "SamplingTensors":
+        """The subset of rows (host indices), e.g. the requests still drafting."""
+        return self.repeat_rows([1 if i in set(rows) else 0 for i in range(self.seeds.shape[0])])
+
+
+def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution actually sampled from, [N, V] float32: logits / temperature, then
+    top-k, top-p and min-p masking, then softmax. Greedy rows are one-hot at the argmax.
+
+    Each filter is a per-row threshold on the scaled logits, so tokens tied with the last
+    kept one are kept too (a deterministic rule, independent of sort order):
+    top-k keeps values >= the k-th largest; top-p keeps the smallest prefix of the sorted
+    top-k distribution whose mass reaches top_p; min-p keeps p >= min_p * p_max, i.e.
+    logit >= max + log(min_p) (a ratio, so unaffected by the other filters).
+    """
+    logits = logits.float()
+    if st.any_greedy:
+        greedy_onehot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        if st.all_greedy:
+            return greedy_onehot
+    greedy = st.temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, st.temperature).unsqueeze(1)
+    thresh = torch.full_like(scaled[:, 0], float("-inf"))
+    if st.need_top_p:
+        ordered = scaled.sort(dim=-1, descending=True).values
+    elif st.need_top_k:
+        ordered = scaled.topk(min(st.max_top_k, scaled.shape[1]), dim=-1).values
+    else:
+        ordered = None
+    if st.need_top_k:
+        kth = ordered.gather(1, (st.top_k.clamp(1, ordered.shape[1]) - 1).unsqueeze(1)).squeeze(1)
+        thresh = torch.where(st.top_k > 0, kth, thresh)
+    if st.need_top_p:
+        probs = torch.softmax(ordered.masked_fill(ordered < thresh.unsqueeze(1), float("-inf")), dim=-1)
+        mass = probs.cumsum(-1)
+        mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)  # monotone, unlike cumsum - p
+        num_kept = (mass_before < st.top_p.unsqueeze(1)).sum(-1, keepdim=True)
+        last_kept = ordered.gather(1, num_kept - 1).squeeze(1)
+        thresh = torch.where(st.top_p < 1, torch.maximum(thresh, last_kept), thresh)
+    if st.need_min_p:
+        thresh = torch.maximum(thresh, scaled.max(-1).values + torch.log(st.min_p))
+    probs = torch.softmax(scaled.masked_fill(scaled < thresh.unsqueeze(1), float("-inf")), dim=-1)
+    return torch.where(greedy.unsqueeze(1), greedy_onehot, probs) if st.any_greedy else probs
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                      stream: int = STREAM_SAMPLE) -> torch.Tensor:
+    """Exact sample [N] int64 from unnormalised non-negative weights [N, V] by the
+    exponential race argmax(p / E), E = -log(u): the same as Gumbel-max argmax(log p + g)
+    with g = -log(E), but zero-weight tokens can never win and no log of p is needed."""
+    u = hash_uniform_vocab(seeds, counters, stream, probs.shape[-1])
+    return (probs / -torch.log(u)).argmax(-1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
+    """Next token per row [N] int64: argmax for greedy rows, else an exact sample from
+    processed_probs. counters [N] int64: index of the output token being sampled."""
+    if st.all_greedy:
+        return logits.argmax(-1)
+    return sample_from_probs(processed_probs(logits, st), st.seeds, counters, STREAM_SAMPLE)
+
+
+class Logprobs(NamedTuple):
+    token_logprobs: torch.Tensor  # [N] float32, logprob of the given token
+    top_ids: torch.Tensor         # [N, num_top] int64, most likely tokens, best first
+    top_logprobs: torch.Tensor    # [N, num_top] float32
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> Logprobs:
+    """Logprobs from the raw logits' log_softmax (before temperature and filters), which is
+    what the OpenAI API and vLLM report."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    token_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    return Logprobs(token_logprobs, top_ids, top_logprobs)

@@ -1,0 +1,154 @@
+"""One decoder for the Llama family: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norm), Mistral.
+
+Tokens of all requests run flat ([T, H]); attention is delegated to an AttentionBackend
+that reads and writes the paged KV cache described by the ForwardBatch. The residual
+stream is carried separately from the normed activations so that every RMSNorm also does
+the residual add.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.attention.base import AttentionBackend
+from tidal.batch import ForwardBatch
+from tidal.layers.activation import SiluAndMul
+from tidal.layers.linear import Linear, MergedColumnLinear, RowLinear
+from tidal.layers.norm import RMSNorm
+from tidal.layers.rotary import RotaryEmbedding
+from tidal.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, attn: AttentionBackend, input_size: int | None = None):
+        super().__init__()
+        self.attn = attn
+        self.head_dim = config.head_dim
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = MergedColumnLinear(
+            input_size or config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, ("q", "k", "v")
+        )
+        # Qwen2 has bias on q/k/v only; the others put attention_bias on o_proj as well.
+        o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
+        self.o_proj = RowLinear(q_size, config.hidden_size, o_bias)
+        local_q, local_kv, _ = self.qkv_proj.local_sizes
+        self.split = (local_q, local_kv, local_kv)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        batch: ForwardBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(num_tokens, -1, self.head_dim)
+        k = k.view(num_tokens, -1, self.head_dim)
+        v = v.view(num_tokens, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.attn.forward(q, k, v, kv_cache, batch, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.act = SiluAndMul()
+        self.down_proj = RowLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attn: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, attn)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden, residual, positions, rotary, batch, kv_cache):
+        """(hidden, residual) -> (hidden, residual); the stream after the layer is their sum.
+        residual None means hidden is the raw embedding (first layer)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, rotary, batch, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+# Checkpoint tensors fused into one of our parameters: our name -> [(checkpoint name, shard id)].
+FUSED_PARAMS = {
+    "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+    "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+}
+
+
+def fused_checkpoint_names(name: str) -> list[tuple[str, object]]:
+    """Checkpoint tensors that make up parameter `name` (with the shard id to load them as)."""
+    for fused, parts in FUSED_PARAMS.items():
+        if f".{fused}." in name:
+            return [(name.replace(fused, part), shard) for part, shard in parts]
+    return [(name, None)]
+
+
+class CausalLM(nn.Module):
+    """Llama-family causal LM. Parameter names follow the Hugging Face checkpoint, minus
+    the leading "model." and with q/k/v and gate/up fused."""
+
+    def __init__(self, config: ModelConfig, attn: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(config, attn) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.aux_layer_ids: tuple[int, ...] = ()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Final-normed hidden states [T, H]; with aux_layer_ids set, also the residual
+        stream after each listed layer, concatenated to [T, len(ids) * H] (EAGLE-3 input)."""
+        hidden, residual = self.embed_tokens(input_ids), None
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, positions, self.rotary, batch, kv_caches[i])
+            if i in self.aux_layer_ids:
+                aux[i] = hidden + residual
+        hidden, _ = self.norm(hidden, residual)
+        if not self.aux_layer_ids:
+            return hidden
+        return hidden, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def checkpoint_names(self, name: str) -> list[tuple[str, object]]:
+        """The checkpoint tensors (and shard ids) that parameter `name` is loaded from."""
+        if name.startswith("lm_head."):
+            return [(name, None)]
+        return [("model." + n, shard) for n, shard in fused_checkpoint_names(name)]

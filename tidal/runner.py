@@ -1,0 +1,144 @@
+"""The model runner: owns the weights and the KV cache, turns a StepPlan into a StepResult.
+
+One forward serves every row of the plan: prefill chunks, plain decodes and decodes
+followed by K_i draft tokens. Rows that reach the end of their known tokens get logits
+for their last K_i + 1 positions; those are sampled (K = 0 everywhere) or verified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.attention import get_backend
+from tidal.batch import ForwardBatch
+from tidal.config import DTYPES, EngineConfig
+from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
+from tidal.models.config import ModelConfig
+from tidal.models.loader import load_model
+from tidal.spec.verify import verify
+from tidal.step import StepPlan, StepResult
+
+
+def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return DTYPES.get(model_config.torch_dtype) if model_config.torch_dtype in ("bfloat16", "float16") else torch.bfloat16
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config = config
+        self.model_config = model_config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
+        self.dtype = resolve_dtype(config.dtype, model_config, self.device)
+        self.page_size = config.page_size
+        self.attn = get_backend(config.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
+        self.model = load_model(config.model, self.dtype, self.device, self.attn)
+        self.num_pages = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.aux_layer_ids: tuple[int, ...] = ()    # set by an EAGLE-3 proposer before allocation
+        self.aux_cache: torch.Tensor | None = None  # target hidden states per KV slot, for EAGLE-3
+
+    def allocate_cache(self, extra_bytes_per_page: int = 0) -> None:
+        """Size the page pool from the memory left after loading weights (a drafter's KV per
+        page included), then allocate it."""
+        per_page = self.kv_bytes_per_page(self.model_config) + extra_bytes_per_page
+        aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
+        per_page += aux_width * self.page_size * self.dtype.itemsize
+        self.num_pages = self.config.num_pages or self._pages_that_fit(per_page)
+        self.kv_caches = self.allocate_kv(self.model_config, self.num_pages)
+        if aux_width:
+            self.model.aux_layer_ids = self.aux_layer_ids
+            self.aux_cache = torch.zeros(self.num_pages * self.page_size, aux_width, dtype=self.dtype,
+                                         device=self.device)
+
+    def kv_bytes_per_page(self, mc: ModelConfig) -> int:
+        return 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+
+    def allocate_kv(self, mc: ModelConfig, num_pages: int) -> list[torch.Tensor]:
+        shape = (2, num_pages, self.page_size, mc.num_kv_heads, mc.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+
+    def _pages_that_fit(self, per_page: int) -> int:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        return max(2, int(budget // per_page))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, drafts: list[list[int]] | None = None,
+                draft_probs: torch.Tensor | None = None, simulate_acceptance: float | None = None) -> StepResult:
+        """Run one step. `drafts[i]` holds row i's K_i draft tokens; `draft_probs` [B, Kmax, V]
+        the drafter's distributions (None for a deterministic drafter)."""
+        reqs = plan.requests
+        feeds = []
+        for i, req in enumerate(reqs):
+            start = req.num_computed
+            feed = req.token_ids[start:start + plan.num_new_tokens[i]]
+            if plan.draft_lens[i]:
+                feed = feed + drafts[i]
+            feeds.append(feed)
+        batch = ForwardBatch.build(feeds, [r.num_computed for r in reqs], [r.pages for r in reqs],
+                                   self.page_size, self.device)
+        out = self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+        if self.aux_cache is not None:
+            hidden, aux = out
+            self.aux_cache[batch.slot_mapping] = aux
+        else:
+            hidden = out
+
+        # Rows that sample: logits for their last K_i + 1 query positions, padded to W.
+        width = 1 + plan.max_draft_len
+        rows = [i for i in range(len(reqs)) if plan.samples(i)]
+        ends, offset = [], 0
+        for i, feed in enumerate(feeds):
+            offset += len(feed)
+            ends.append(offset)
+        index = [[ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i]) for j in range(width)] for i in rows]
+        token_ids = torch.zeros(len(reqs), width, dtype=torch.int64)
+        accept_lens = torch.zeros(len(reqs), dtype=torch.int64)
+        logprobs = None
+        if rows:
+            index_t = torch.tensor(index, device=self.device)
+            logits = self.model.compute_logits(hidden[index_t.flatten()]).view(len(rows), width, -1)
+            sampled = [reqs[i] for i in rows]
+            st = SamplingTensors.build([r.params for r in sampled], [r.seed for r in sampled], self.device)
+            counters = torch.tensor([r.num_output_tokens for r in sampled], device=self.device)
+            if width == 1:
+                tokens = sample(logits[:, 0], st, counters)[:, None]
+                accepted = torch.ones(len(rows), dtype=torch.int64, device=self.device)
+            else:
+                k = torch.tensor([plan.draft_lens[i] for i in rows], device=self.device)
+                padded = torch.tensor([drafts[i] + [0] * (width - 1 - len(drafts[i])) if plan.draft_lens[i]
+                                       else [0] * (width - 1) for i in rows], device=self.device)
+                probs = draft_probs[rows, :width - 1] if draft_probs is not None else None
+                tokens, accepted = verify(logits, padded, probs, k, st, counters,
+                                          simulate_acceptance=simulate_acceptance)
+            token_ids[rows] = tokens.cpu()
+            accept_lens[rows] = accepted.cpu()
+            logprobs = self._logprobs(plan, rows, logits, tokens)
+        return StepResult(token_ids, accept_lens, torch.tensor(plan.draft_lens, dtype=torch.int64), logprobs)
+
+    def _logprobs(self, plan, rows, logits, tokens):
+        wanted = [plan.requests[i].params.logprobs for i in rows]
+        if all(n is None for n in wanted):
+            return None
+        num_top = max(n or 0 for n in wanted)
+        b, w, v = logits.shape
+        lp = compute_logprobs(logits.view(b * w, v), tokens.reshape(-1), num_top)
+        chosen = lp.token_logprobs.view(b, w).tolist()
+        ids, tops = lp.top_ids.view(b, w, -1).tolist(), lp.top_logprobs.view(b, w, -1).tolist()
+        flat_tokens = tokens.view(b, w).tolist()
+        out: list = [None] * len(plan.requests)
+        for r, i in enumerate(rows):
+            n = wanted[r]
+            if n is not None:
+                out[i] = [{flat_tokens[r][j]: chosen[r][j], **dict(zip(ids[r][j][:n], tops[r][j][:n]))}
+                          for j in range(w)]
+        return out

@@ -1,0 +1,168 @@
+"""Continuous batching: which requests run each step, how many tokens each feeds, and how
+the step's results are committed.
+
+Policy only, no tensors. Running requests go first (decodes and unfinished prefill
+chunks, in arrival order), then waiting requests are admitted first come first served
+while the token budget, `max_num_seqs` and free pages allow. When pages run out, the most
+recently arrived running request is preempted: its pages are freed and it is recomputed
+later from its prompt and output so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from tidal.kv_cache import PagePool
+from tidal.request import Request, SpecStats, Status
+from tidal.spec.policy import Off, SpecPolicy
+from tidal.step import StepPlan, StepResult
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, policy: SpecPolicy | None = None, max_draft_len: int = 0):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy or Off()
+        self.max_draft_len = max_draft_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.spec = SpecStats()       # server-wide acceptance statistics
+        self.num_preemptions = 0
+
+    # -- admission -----------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        for req in itertools.chain(self.running, self.waiting):
+            if req.request_id == request_id:
+                self.finish(req, "abort")
+                return req
+        return None
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request outside a commit (abort, or a stop string found in its text)."""
+        (self.running if req.status is Status.RUNNING else self.waiting).remove(req)
+        self._release(req)
+        req.finish(reason, stop_reason)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan([], [], [])
+        budget = self.max_num_batched_tokens
+        ps = self.pool.page_size
+
+        # Running requests: a decode needs 1 token (+ drafts), a prefill continues its chunk.
+        decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
+        draft_lens = self._draft_lens(decoding)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            k = min(draft_lens.get(req.request_id, 0), budget - num_new)
+            need = pages_for(req.num_computed + num_new + k, ps) - len(req.pages)
+            while need > self.pool.num_free and self.running[-1] is not req:
+                self._preempt(self.running.pop())
+            if need > self.pool.num_free:
+                self.running.pop()
+                self._preempt(req)
+                break
+            req.pages += self.pool.allocate(need) if need > 0 else []
+            plan.requests.append(req)
+            plan.num_new_tokens.append(num_new)
+            plan.draft_lens.append(k)
+            budget -= num_new + k
+            i += 1
+
+        # Waiting requests, first come first served; stop at the first that does not fit.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not req.pages:
+                # Keep at least one token to compute: its logits give the next token.
+                req.pages, req.page_keys = self.pool.match_prefix(req.token_ids, req.num_tokens - 1)
+                req.num_computed = len(req.pages) * ps
+                if req.num_output_tokens == 0:
+                    req.num_cached_prompt_tokens = req.num_computed
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            need = pages_for(req.num_computed + num_new, ps) - len(req.pages)
+            if need > self.pool.num_free:
+                self._release(req)
+                req.num_computed = 0
+                break
+            req.pages += self.pool.allocate(need) if need > 0 else []
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            plan.requests.append(req)
+            plan.num_new_tokens.append(num_new)
+            plan.draft_lens.append(0)
+            budget -= num_new
+        return plan
+
+    def _draft_lens(self, decoding: list[Request]) -> dict[str, int]:
+        if not decoding or self.max_draft_len == 0:
+            return {}
+        # A request can commit at most K + 1 tokens; drafting past its end is waste.
+        limits = [max(0, min(self.max_draft_len,
+                             r.params.max_tokens - r.num_output_tokens - 1,
+                             self.max_model_len - r.num_tokens - 1)) for r in decoding]
+        ks = self.policy.choose(decoding, limits, len(self.waiting))
+        return {r.request_id: max(0, min(k, limit)) for r, k, limit in zip(decoding, ks, limits)}
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.num_computed = req.num_absorbed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.pool.free(req.pages)
+        req.pages = []
+        req.page_keys = []
+
+    # -- committing ----------------------------------------------------------------------
+
+    def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
+        """Append each row's accepted tokens; returns the requests that finished."""
+        finished = []
+        tokens = result.token_ids.tolist()
+        accept_lens = result.accept_lens.tolist()
+        for i, req in enumerate(plan.requests):
+            n = accept_lens[i]
+            req.num_computed += plan.num_new_tokens[i] + max(n - 1, 0)
+            req.num_absorbed = min(req.num_absorbed, req.num_computed)
+            req.spec.record(plan.draft_lens[i], n - 1)
+            self.spec.record(plan.draft_lens[i], n - 1)
+            for j, token in enumerate(tokens[i][:n]):
+                if result.logprobs is not None and req.logprobs is not None:
+                    req.logprobs.append(result.logprobs[i][j])
+                if req.append_token(token, self.max_model_len):
+                    break
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+                finished.append(req)
+                continue
+            # Pages that held only rejected drafts go back to the pool.
+            keep = pages_for(req.num_computed, self.pool.page_size)
+            if len(req.pages) > keep:
+                self.pool.free(req.pages[keep:])
+                del req.pages[keep:]
+            self.pool.register(req.pages, req.page_keys, req.token_ids, req.num_computed)
+        return finished

@@ -1,0 +1,29 @@
+"""Prompt lookup: draft the tokens that followed the latest earlier occurrence of the
+sequence's last n tokens. No model, no state, deterministic (q is one-hot)."""
+
+from __future__ import annotations
+
+from tidal.step import StepPlan
+
+
+class NgramProposer:
+    bytes_per_page = 0
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def allocate_cache(self) -> None:
+        pass
+
+    def propose(self, plan: StepPlan, rows: list[int]):
+        return [self.lookup(plan.requests[i].token_ids, plan.draft_lens[i]) for i in rows], None
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            tail = tokens[-n:]
+            # Latest earlier match first: recent context predicts best.
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == tail:
+                    return tokens[start + n:start + n + k]
+        return []

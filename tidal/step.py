@@ -1,0 +1,42 @@
+"""The one contract between scheduler and runner, for plain and speculative steps alike.
+
+A plain decode step is `draft_lens = 0`, `W = 1`, `accept_lens = 1`; a prefill chunk that
+does not reach the end of its prompt commits nothing (`accept_lens = 0`). The scheduler
+commits every row the same way: `token_ids[i, :accept_lens[i]]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidal.request import Request
+
+
+@dataclass
+class StepPlan:
+    requests: list[Request]
+    num_new_tokens: list[int]   # tokens of the request's own sequence fed this step (prefill chunk, or 1)
+    draft_lens: list[int]       # K_i >= 0 draft tokens to verify after them (0 = plain)
+
+    def samples(self, i: int) -> bool:
+        """Whether row i reaches the end of its known tokens, so the step produces tokens for it."""
+        req = self.requests[i]
+        return req.num_computed + self.num_new_tokens[i] == req.num_tokens
+
+    @property
+    def max_draft_len(self) -> int:
+        return max(self.draft_lens, default=0)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens) + sum(self.draft_lens)
+
+
+@dataclass
+class StepResult:
+    token_ids: torch.Tensor     # [B, W] int64 on the host; row i valid up to accept_lens[i]
+    accept_lens: torch.Tensor   # [B] int64 on the host: tokens to commit (0 for a partial prefill chunk)
+    num_drafted: torch.Tensor   # [B] int64: K_i, for acceptance statistics
+    logprobs: list[dict[int, float] | None] | None = None  # flat over committed tokens, if any request asked
