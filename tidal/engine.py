@@ -128,20 +128,16 @@ class LLMEngine:
             self.scheduler.finish(req, "stop", detok.stop_str)
         if req.finished:
             return self._finish_output(req, delta)
-        return self._make_output(req, delta)
+        return self._make_output(req, detok, delta)
 
-    def _finish_output(self, req: Request, delta: str | None = None) -> RequestOutput:
+    def _finish_output(self, req: Request, delta: str = "") -> RequestOutput:
         detok = self.detokenizers.pop(req.request_id)
-        if delta is None:
-            delta = detok.flush()
-        else:
-            delta += detok.flush()
         self.requests.pop(req.request_id, None)
-        return self._make_output(req, delta, detok.text)
+        return self._make_output(req, detok, delta + detok.flush())
 
-    def _make_output(self, req: Request, delta: str, text: str | None = None) -> RequestOutput:
-        completion = CompletionOutput(0, delta, req.output_token_ids, req.finish_reason, req.stop_reason,
-                                      req.logprobs)
+    def _make_output(self, req: Request, detok: IncrementalDetokenizer, delta: str) -> RequestOutput:
+        completion = CompletionOutput(0, detok.released_text, delta, req.output_token_ids, req.finish_reason,
+                                      req.stop_reason, req.logprobs)
         metrics = {
             "num_prompt_tokens": req.num_prompt_tokens,
             "num_cached_prompt_tokens": req.num_cached_prompt_tokens,
@@ -150,7 +146,6 @@ class LLMEngine:
             "first_token_time": req.first_token_time,
             "finish_time": req.finish_time,
             "spec": req.spec.as_dict(),
-            "full_text": text,
         }
         return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens], [completion],
                              req.finished, metrics)
@@ -209,7 +204,6 @@ class LLM:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finished:
-                    out.outputs[0].text = out.metrics.pop("full_text")
                     done[out.request_id] = out
                     bar.update(1)
             elapsed = max(time.monotonic() - start, 1e-9)

@@ -72,7 +72,8 @@ class SpecStats:
 @dataclass
 class CompletionOutput:
     index: int
-    text: str
+    text: str                          # all text so far
+    delta: str                         # the text this step added (what a stream sends)
     token_ids: list[int]
     finish_reason: str | None          # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None

@@ -120,6 +120,11 @@ class IncrementalDetokenizer:
         self.stop_str: str | None = None     # the stop string that ended the text, if any
 
     @property
+    def released_text(self) -> str:
+        """The text handed out by `add` and `flush` so far."""
+        return self.text[:self._emitted]
+
+    @property
     def num_tokens(self) -> int:
         """Output tokens given to `add` so far."""
         return len(self._ids) - self._num_context

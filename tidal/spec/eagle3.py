@@ -52,14 +52,14 @@ class Eagle3Proposer:
         feeds = [r.token_ids[s + 1:] for r, s in zip(reqs, starts)]
         slots = [[r.pages[p // ps] * ps + p % ps for p in range(s, r.num_tokens - 1)] for r, s in zip(reqs, starts)]
         hidden_in = self.runner.aux_cache[torch.tensor([x for row in slots for x in row], device=device)]
-        tokens, hidden = self._step(feeds, starts, hidden_in, reqs, st, counters, probs, rows_t, 0)
+        tokens, state = self._step(feeds, starts, hidden_in, reqs, st, counters, probs, rows_t, 0)
         drafts = [[t] for t in tokens]
         for j in range(1, max(ks)):
             live = [b for b, k in enumerate(ks) if k > j]
             sub = [reqs[b] for b in live]
-            tokens, hidden = self._step([[drafts[b][-1]] for b in live], [r.num_tokens + j - 2 for r in sub],
-                                        hidden[live], sub, st.select(live), counters[live] + j, probs,
-                                        rows_t[live], j)
+            tokens, state[live] = self._step([[drafts[b][-1]] for b in live], [r.num_tokens + j - 2 for r in sub],
+                                             state[live], sub, st.select(live), counters[live] + j, probs,
+                                             rows_t[live], j)
             for b, t in zip(live, tokens):
                 drafts[b].append(t)
         for r in reqs:

@@ -1,0 +1,259 @@
+"""Speculative decoding through the one step contract: every proposer, any K schedule,
+greedy outputs identical to plain decoding; sampled outputs distributed as the target's;
+KV pages all free afterwards."""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tidal.runner
+from checkpoints import make_eagle3_checkpoint
+from tidal import LLM, SamplingParams
+from tidal.spec.verify import verify as real_verify
+
+NEW_TOKENS = 28
+
+
+def truncated_drafter(target_dir: str, out_dir: Path, num_layers: int) -> str:
+    """The target's own first layers (and its embedding and head): a drafter that agrees
+    with the target often, but not always."""
+    config = json.loads((Path(target_dir) / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    weights = {}
+    for f in Path(target_dir).glob("*.safetensors"):
+        weights |= load_file(f)
+    keep = {k: v for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < num_layers}
+    save_file(keep, str(out_dir / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(target_dir) / name, out_dir / name)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint, tmp_path_factory):
+    target = checkpoint("llama")
+    root = tmp_path_factory.mktemp("drafters")
+    return {
+        "target": target,
+        "draft_model": truncated_drafter(target, root / "draft", 3),
+        "eagle3": str(make_eagle3_checkpoint(root / "eagle3", target)),
+    }
+
+
+def spec_config(models, method, k, **extra):
+    cfg = {"method": method, "num_speculative_tokens": k, **extra}
+    if method != "ngram":
+        cfg["model"] = models[method]
+    return cfg
+
+
+def repetitive_prompts():
+    """Mixed lengths; repeated phrases give the n-gram proposer something to find."""
+    rng = random.Random(7)
+    phrase = [rng.randrange(3, 384) for _ in range(6)]
+    return [phrase * 3, [rng.randrange(3, 384) for _ in range(21)], phrase + [9, 10] + phrase, [5, 6, 7]]
+
+
+def greedy(max_tokens=NEW_TOKENS):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(llm, prompts, params):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.stats()
+    assert stats["num_free_pages"] == stats["num_pages"], "KV pages leaked"
+    return [o.outputs[0].token_ids for o in outs], outs
+
+
+class RandomPolicy:
+    """A K_i per request per step, 0 included: the engine must not care."""
+
+    name = "random"
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.chosen = []
+
+    def choose(self, requests, limits, num_waiting):
+        ks = [self.rng.randint(0, limit) for limit in limits]
+        self.chosen.append(ks)
+        return ks
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    llm = LLM(model=models["target"], page_size=4)
+    return run(llm, repetitive_prompts(), greedy())[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_greedy_lossless_for_every_k(models, plain, method):
+    for k in range(1, 7):
+        llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, k))
+        got, _ = run(llm, repetitive_prompts(), greedy())
+        assert got == plain, f"{method} K={k} changed the greedy output"
+        if method == "draft_model":
+            spec = llm.engine.stats()["spec"]
+            assert 0 < spec["num_accepted"] < spec["num_drafted"], "want both acceptance and rejection"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_greedy_lossless_with_random_k_per_request(models, plain, method):
+    llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 5))
+    policy = RandomPolicy(seed=11)
+    llm.engine.scheduler.policy = policy
+    got, outs = run(llm, repetitive_prompts(), greedy())
+    assert got == plain
+    mixed = [ks for ks in policy.chosen if len(set(ks)) > 1 and 0 in ks]
+    assert mixed, "the schedule should mix K = 0 and K > 0 inside one step"
+    if method != "ngram":
+        # Steps at K = 0 were followed by drafting again: the drafter caught up lazily.
+        assert llm.engine.stats()["spec"]["num_steps"] > 0
+
+
+def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):
+    llm = LLM(model=models["target"], page_size=4,
+              speculative_config=spec_config(models, "draft_model", 4, policy="off"))
+    monkeypatch.setattr(llm.engine.proposer, "propose", lambda *a: pytest.fail("proposer called at K = 0"))
+    got, _ = run(llm, repetitive_prompts(), greedy())
+    assert got == plain
+    assert llm.engine.stats()["spec"]["num_drafted"] == 0
+
+
+def test_catch_up_after_off_periods_is_lossless(models, plain):
+    """Drafting on for a few steps, then off for a few, repeatedly."""
+    class Bursts:
+        name = "bursts"
+        step = 0
+
+        def choose(self, requests, limits, num_waiting):
+            self.step += 1
+            on = (self.step // 3) % 2 == 0
+            return [limit if on else 0 for limit in limits]
+
+    for method in ("draft_model", "eagle3"):
+        llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 3))
+        llm.engine.scheduler.policy = Bursts()
+        got, _ = run(llm, repetitive_prompts(), greedy())
+        assert got == plain
+
+
+def test_preemption_and_prefix_cache_with_speculation(models, plain):
+    llm = LLM(model=models["target"], page_size=4, num_pages=28,
+              speculative_config=spec_config(models, "draft_model", 4))
+    got, _ = run(llm, repetitive_prompts(), greedy())
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == plain
+    again, _ = run(llm, repetitive_prompts()[:1], greedy())  # prefix-cache hit, drafter catches up
+    assert again[0] == plain[0]
+
+
+def test_acceptance_statistics(models):
+    llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, "draft_model", 3))
+    _, outs = run(llm, repetitive_prompts(), greedy())
+    per_request = [o.metrics["spec"] for o in outs]
+    server = llm.engine.stats()["spec"]
+    assert sum(s["num_drafted"] for s in per_request) == server["num_drafted"]
+    assert sum(s["num_accepted"] for s in per_request) == server["num_accepted"]
+    rates = server["acceptance_per_position"]
+    assert len(rates) == 3 and all(0 <= r <= 1 for r in rates)
+    assert 1 <= server["mean_accepted_length"] <= 4
+
+
+def test_simulated_acceptance(models):
+    a, k = 0.7, 4
+    llm = LLM(model=models["target"], page_size=4,
+              speculative_config=spec_config(models, "ngram", k, simulate_acceptance=a))
+    llm.engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+    run(llm, repetitive_prompts() * 4, greedy(64))
+    spec = llm.engine.stats()["spec"]
+    # Accepted drafts per step: geometric, truncated at K (steps near max_tokens draft fewer).
+    expected = sum(a ** m for m in range(1, k + 1))
+    assert abs((spec["mean_accepted_length"] - 1) - expected) < 0.35
+    assert all(abs(r - a) < 0.1 for r in spec["acceptance_per_position"][:1])
+
+
+def chi_square_homogeneity(a: dict, b: dict) -> tuple[float, int]:
+    """Two-sample chi-square statistic and degrees of freedom over the union of outcomes."""
+    keys = sorted(set(a) | set(b))
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    for key in keys:
+        total = a.get(key, 0) + b.get(key, 0)
+        for count, n in ((a.get(key, 0), na), (b.get(key, 0), nb)):
+            expected = total * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    return stat, len(keys) - 1
+
+
+def chi_square_p_value(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def continuation_counts(llm, n=800):
+    """Distribution of 3-token continuations of one prompt over n seeds (top_k=3: <= 27
+    outcomes; the 2nd and 3rd tokens come from verified drafts)."""
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+    outs = llm.generate([[5, 6, 7, 8]] * n, params, use_tqdm=False)
+    counts = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+ALPHA = 0.001  # significance level of the sampling-losslessness test
+
+
+def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monkeypatch):
+    target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256))
+    spec = LLM(model=models["target"], page_size=4, max_num_seqs=256,
+               speculative_config=spec_config(models, "draft_model", 2))
+    drafted = continuation_counts(spec)
+    assert spec.engine.stats()["spec"]["num_drafted"] > 0
+    stat, dof = chi_square_homogeneity(target, drafted)
+    assert chi_square_p_value(stat, dof) > ALPHA, (target, drafted)
+
+    # Control: a verifier that accepts every draft samples the drafter's distribution.
+    def accept_all(*args, **kwargs):
+        kwargs["simulate_acceptance"] = 1.0
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(tidal.runner, "verify", accept_all)
+    wrong = continuation_counts(spec)
+    stat, dof = chi_square_homogeneity(target, wrong)
+    assert chi_square_p_value(stat, dof) < ALPHA
+
+
+def test_bad_speculative_configs(models, tmp_path):
+    target = models["target"]
+    cases = [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 100}, "num_speculative_tokens"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "policy": "sometimes"}, "policy"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "bogus"),
+        ({"method": "eagle3", "model": target, "num_speculative_tokens": 2}, "EAGLE-3"),
+        ({"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}, "config.json"),
+    ]
+    for cfg, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            LLM(model=target, speculative_config=cfg)
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "policy": "goodput"})
+    # A drafter with another vocabulary.
+    from checkpoints import make_checkpoint
+    other = make_checkpoint(tmp_path / "other", "llama", vocab_size=320)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(model=target, speculative_config={"method": "draft_model", "model": str(other),
+                                              "num_speculative_tokens": 2})

@@ -1,0 +1,309 @@
+"""Triton paged attention (the GPU backend).
+
+Three kernels:
+- `_store_kv_kernel` writes each token's k/v into the paged cache at its slot (-1 = skip).
+- `_attention_kernel` attends a block of query tokens of one request over its keys, read
+  through the page table. One kernel serves prefill, chunked extend, verification and
+  decode: query lengths vary per request, attention is causal with the cached prefix
+  visible. The query heads sharing a kv head are processed together (rows of the tile are
+  (token, head) pairs), so K/V are loaded once per group. When there are too few programs
+  to fill the GPU (decode, verification at small batch), the keys are split over several
+  programs (split-KV), each writing a partial output and its log-sum-exp.
+- `_combine_kernel` merges those partials.
+
+Grids and split counts come from host ints only (shapes, `batch.max_query_len`,
+`batch.max_seq_len`); every per-request length is read on the device, and scratch buffers
+are sized by shapes, so all launches can be captured in CUDA graphs. A captured graph stays
+correct for any sequence lengths, as long as no request has more query tokens than
+`batch.max_query_len` had at capture (`max_seq_len` only tunes the split count).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tidal.batch import ForwardBatch
+
+_LOG2E = 1.4426950408889634
+_MIN_SPLIT_KEYS = 256  # fewest keys worth a split of their own
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kv, stride_page, stride_slot, stride_head,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """One program per token: copy its k/v (all kv heads) into the cache slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (heads < NUM_KV_HEADS)[:, None]
+    dst = (cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot
+           + heads[:, None] * stride_head + offs_d[None, :])
+    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_kv, v, mask=mask)
+
+
+@triton.jit
+def _attend_block(
+    acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
+    stride_kv, stride_page, stride_slot, offs_d,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax update with keys n0 .. n0 + BLOCK_N. With MASKED, keys at or past
+    `end` are skipped and row r only sees keys <= last_key[r]."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        in_range = offs_n < end
+        page = tl.load(page_row_ptr + offs_n // PAGE_SIZE, mask=in_range, other=0)
+    else:
+        page = tl.load(page_row_ptr + offs_n // PAGE_SIZE)
+    slot_off = page.to(tl.int64) * stride_page + (offs_n % PAGE_SIZE) * stride_slot
+    k_ptrs = kv_ptr + slot_off[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+    v_ptrs = kv_ptr + stride_kv + slot_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] <= last_key[:, None]) & in_range[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh,
+    stride_kv, stride_page, stride_slot, stride_head, stride_pt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (query block x split, request, kv head). Tile row r is query token
+    r // GROUP of the block with query head r % GROUP of this kv head's group."""
+    q_block = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows // GROUP < BLOCK_Q) & (tok < q_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    # Keys [0, kv_end) are seen by some row of the block, [0, shared_end) by all of them.
+    kv_end = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
+    shared_end = ctx_len + q_block * BLOCK_Q + 1
+    split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_end)
+    mid = tl.maximum(start, tl.minimum(end, shared_end // BLOCK_N * BLOCK_N))
+
+    kv_ptr = cache_ptr + kv_head * stride_head
+    page_row_ptr = page_table_ptr + seq * stride_pt
+    last_key = ctx_len + tok
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(start, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
+            stride_kv, stride_page, stride_slot, offs_d, PAGE_SIZE, BLOCK_N, False, PRECISION)
+    for n0 in range(mid, end, BLOCK_N):
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
+            stride_kv, stride_page, stride_slot, offs_d, PAGE_SIZE, BLOCK_N, True, PRECISION)
+
+    # A split may hold no key a row sees (l_i = 0): its partial is 0 with weight 0.
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_off = split * stride_os + (q_start + tok) * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + (q_start + tok) * stride_lt + head, lse,
+                 mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, head): weight each split's partial by exp2(lse)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = splits < num_splits
+    lse = tl.load(lse_ptr + splits * stride_ls + t * stride_lt + h, mask=ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + splits[:, None] * stride_ps + t * stride_pt + h * stride_ph
+                   + offs_d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of `_attention_kernel` (rows = query tokens x heads of a group)."""
+
+    block_m: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter on CPU: behave like an H100/H200
+
+
+def choose_config(
+    batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device,
+) -> AttentionConfig:
+    """Pick tile sizes and the split count from host ints only."""
+    group = num_heads // num_kv_heads
+    wide = dtype == torch.float32 or head_dim > 128  # keep big tiles within shared memory
+    rows = batch.max_query_len * group
+    if rows <= 64:  # decode / verification: one query block per request
+        block_m = max(16, _next_pow2(rows))
+    else:
+        block_m = 64 if wide else 128
+    block_m = max(block_m, _next_pow2(group))
+    block_n = 32 if wide else 64
+    q_blocks = triton.cdiv(batch.max_query_len, block_m // group)
+    programs = batch.num_seqs * num_kv_heads * q_blocks
+    sms = _num_sms(device)
+    num_splits = 1
+    if programs < sms:
+        num_splits = max(1, min(triton.cdiv(2 * sms, programs),
+                                triton.cdiv(batch.max_seq_len, _MIN_SPLIT_KEYS), _MAX_SPLITS))
+    return AttentionConfig(block_m, block_n, num_splits, 8 if block_m >= 128 else 4, 3)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k/v [T, num_kv_heads, head_dim] into kv_cache at slot_mapping (-1 = skip)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    _store_kv_kernel[(num_tokens,)](
+        k, v, kv_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=_next_pow2(num_kv_heads), HEAD_DIM=head_dim,
+        PAGE_SIZE=kv_cache.shape[2],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of q [T, num_heads, head_dim] over each request's cached keys."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    assert head_dim == cache_head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256, (
+        f"triton attention needs a power-of-two head_dim in [16, 256], got {head_dim}")
+    assert num_heads % num_kv_heads == 0, (
+        f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    assert q.dtype == kv_cache.dtype, f"q dtype {q.dtype} != kv cache dtype {kv_cache.dtype}"
+    assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = config or choose_config(batch, num_heads, num_kv_heads, head_dim, q.dtype, q.device)
+    block_q = cfg.block_m // group
+    split = cfg.num_splits > 1
+    if split:
+        part = torch.empty((cfg.num_splits, num_tokens, num_heads, head_dim),
+                           dtype=torch.float32, device=q.device)
+        lse = torch.empty((cfg.num_splits, num_tokens, num_heads), dtype=torch.float32,
+                          device=q.device)
+        dst = part
+    else:
+        dst, lse = out.unsqueeze(0), out  # lse is unused without splits
+    grid = (triton.cdiv(batch.max_query_len, block_q) * cfg.num_splits, batch.num_seqs,
+            num_kv_heads)
+    _attention_kernel[grid](
+        q, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, dst, lse,
+        scale * _LOG2E, cfg.num_splits,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        batch.page_table.stride(0),
+        dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_Q=block_q, SPLIT=split,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        _combine_kernel[(num_tokens, num_heads)](
+            part, lse, out, cfg.num_splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(cfg.num_splits),
+        )
+    return out
+
+
+class TritonAttention:
+    """Paged attention backend on Triton kernels (see module docstring)."""
+
+    name = "triton"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+        batch: ForwardBatch, scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, kv_cache, batch.slot_mapping)
+        return paged_attention(q, kv_cache, batch, scale)
