@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 import tidal.runner
 from checkpoints import make_eagle3_checkpoint
 from tidal import LLM, SamplingParams
+from tidal.spec.policy import NoFeedback
 from tidal.spec.verify import verify as real_verify
 
 NEW_TOKENS = 28
@@ -73,7 +74,7 @@ def run(llm, prompts, params):
     return [o.outputs[0].token_ids for o in outs], outs
 
 
-class RandomPolicy:
+class RandomPolicy(NoFeedback):
     """A K_i per request per step, 0 included: the engine must not care."""
 
     name = "random"
@@ -130,7 +131,7 @@ def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):
 
 def test_catch_up_after_off_periods_is_lossless(models, plain):
     """Drafting on for a few steps, then off for a few, repeatedly."""
-    class Bursts:
+    class Bursts(NoFeedback):
         name = "bursts"
         step = 0
 

@@ -100,6 +100,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.requests:
             return []
+        start = time.perf_counter()
         drafts, probs = None, None
         rows = [i for i, k in enumerate(plan.draft_lens) if k > 0]
         if rows:
@@ -110,6 +111,7 @@ class LLMEngine:
                 plan.draft_lens[i] = len(tokens)
         spec = self.config.speculative_config
         result = self.runner.execute(plan, drafts, probs, spec.simulate_acceptance if spec else None)
+        self.scheduler.policy.observe(plan, result, time.perf_counter() - start)
         self.scheduler.commit(plan, result)
         self.num_steps += 1
         outputs = []

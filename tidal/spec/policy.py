@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from tidal.request import Request
+from tidal.step import StepPlan, StepResult
 
 
 class SpecPolicy(Protocol):
@@ -18,8 +19,17 @@ class SpecPolicy(Protocol):
     def choose(self, requests: list[Request], limits: list[int], num_waiting: int) -> list[int]:
         ...
 
+    def observe(self, plan: StepPlan, result: StepResult, step_time: float) -> None:
+        """What the step cost (seconds, proposer included) and what it accepted."""
+        ...
 
-class Off:
+
+class NoFeedback:
+    def observe(self, plan, result, step_time):
+        pass
+
+
+class Off(NoFeedback):
     """Never drafts: every step is the plain decode path."""
 
     name = "off"
@@ -28,7 +38,7 @@ class Off:
         return [0] * len(requests)
 
 
-class Fixed:
+class Fixed(NoFeedback):
     """The same K for every request, as engines without a policy do."""
 
     name = "fixed"

@@ -1,0 +1,337 @@
+"""The OpenAI-compatible HTTP API: `build_app` (FastAPI) and `run_server` (`tidal serve`).
+
+Every request is validated, tokenized and turned into engine requests in its handler,
+before anything is queued, so a bad field is a 400 and never reaches the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import secrets
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from tidal.cli import engine_kwargs
+from tidal.config import EngineConfig, SamplingParams
+from tidal.demo import DEMO_NAME
+from tidal.engine import LLMEngine
+from tidal.request import CompletionOutput, RequestOutput
+from tidal.request import Request as EngineRequest
+from tidal.server.async_engine import AsyncEngine, EngineError
+from tidal.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                   ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                   CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                   DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingFields,
+                                   TokenLogprob, TopLogprob, Usage)
+
+GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, how long running requests may take to finish before they are cut
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.info = ErrorInfo(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
+
+
+def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server's app. The engine thread starts and stops with the app's lifespan."""
+    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    serving = OpenAIServing(async_engine, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.stop()
+
+    app = FastAPI(title="tidal", lifespan=lifespan)
+    add_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))] if api_key else [])
+    v1.add_api_route("/completions", serving.completions, methods=["POST"])
+    v1.add_api_route("/chat/completions", serving.chat_completions, methods=["POST"])
+    v1.add_api_route("/models", serving.models, methods=["GET"])
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if not async_engine.is_running:
+            raise APIError(503, "the engine is not running", type="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`tidal serve`: load the engine, then serve until SIGTERM / Ctrl-C, which drains
+    (uvicorn lets running requests finish, then the lifespan stops the engine thread)."""
+    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+    name = args.served_model_name or args.model or DEMO_NAME
+    app = build_app(engine, name, args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
+# -- errors and authentication -----------------------------------------------------------
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's `{"error": {message, type, param, code}}`."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        fields = [".".join(str(part) for part in err["loc"] if part != "body") for err in errors]
+        message = "; ".join(f"{field}: {err['msg']}" if field else err["msg"] for field, err in zip(fields, errors))
+        return APIError(400, message, param=fields[0] if errors and fields[0] else None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return APIError(e.status_code, str(e.detail)).response()
+
+    @app.exception_handler(EngineError)
+    async def engine_error(request: Request, e: EngineError):
+        return APIError(500, str(e), type="server_error").response()
+
+
+def api_key_check(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    return check
+
+
+# -- the endpoints ------------------------------------------------------------------------
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
+
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        requests = self._make_requests(response_id, self._completion_prompts(body.prompt), body,
+                                       body.max_tokens, body.logprobs)
+        if body.stream:
+            return event_stream(self._stream_completion(response_id, requests, body))
+        finals = await self._collect(requests)
+        choices = [CompletionChoice(index=i, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
+                                    logprobs=None if body.logprobs is None
+                                    else self._completion_logprobs(out.outputs[0], 0, 0)[0])
+                   for i, out in enumerate(finals)]
+        return CompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
+                                  choices=choices, usage=usage(finals, body.n))
+
+    async def chat_completions(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        requests = self._make_requests(response_id, [self._chat_prompt(body.messages)], body, max_tokens, top_n)
+        if body.stream:
+            return event_stream(self._stream_chat(response_id, requests, body, top_n))
+        finals = await self._collect(requests)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=out.outputs[0].text),
+                              finish_reason=out.outputs[0].finish_reason,
+                              logprobs=None if top_n is None else self._chat_logprobs(out.outputs[0], 0, top_n))
+                   for i, out in enumerate(finals)]
+        return ChatCompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
+                                      choices=choices, usage=usage(finals, body.n))
+
+    # -- building engine requests --------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        """OpenAI's prompt forms (a text, token ids, or a list of either) as token id lists."""
+        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
+        if not prompts or any(p == "" for p in prompts):
+            raise APIError(400, "prompt: empty prompt", param="prompt")
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+    def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
+        conversation = []
+        for m in messages:
+            content = m.content or ""
+            if not isinstance(content, str):
+                if any(part.type != "text" for part in content):
+                    raise APIError(400, "messages: only text content is supported", param="messages")
+                content = "".join(part.text or "" for part in content)
+            conversation.append({"role": m.role, "content": content})
+        try:
+            return self.tokenizer.apply_chat_template(conversation)
+        except (ValueError, TemplateError) as e:
+            raise APIError(400, f"messages: {e}", param="messages") from e
+
+    def _make_requests(self, response_id: str, prompts: list[list[int]], body: SamplingFields,
+                       max_tokens: int | None, logprobs: int | None) -> list[EngineRequest]:
+        """`n` engine requests per prompt (seeds seed, seed+1, ...), all validated before
+        any runs. Without max_tokens a request may fill the model's context."""
+        requests = []
+        try:
+            for prompt, i in itertools.product(prompts, range(body.n)):
+                params = SamplingParams(
+                    max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(prompt)),
+                    seed=None if body.seed is None else body.seed + i, logprobs=logprobs, **body.sampling_kwargs())
+                requests.append(self.engine.engine.make_request(prompt, params, f"{response_id}-{len(requests)}"))
+                if len(prompt) + params.max_tokens > self.max_model_len:
+                    raise ValueError(f"max_tokens: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} "
+                                     f"exceed the model's context of {self.max_model_len} tokens")
+        except ValueError as e:
+            field = re.match(r"\w+", str(e))
+            raise APIError(400, str(e), param=field[0] if field and field[0] in type(body).model_fields else None)
+        return requests
+
+    # -- results -------------------------------------------------------------------------
+
+    async def _collect(self, requests: list[EngineRequest]) -> list[RequestOutput]:
+        finals: list[RequestOutput] = [None] * len(requests)
+        async with aclosing(self.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                if out.finished:
+                    finals[i] = out
+        return finals
+
+    async def _stream_completion(self, response_id: str, requests: list[EngineRequest],
+                                 body: CompletionRequest) -> AsyncIterator[CompletionResponse]:
+        created = int(time.time())
+        finals: list[RequestOutput] = [None] * len(requests)
+        tokens_sent = [0] * len(requests)
+        text_offsets = [0] * len(requests)
+        async with aclosing(self.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                completion = out.outputs[0]
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs, text_offsets[i] = self._completion_logprobs(completion, tokens_sent[i], text_offsets[i])
+                tokens_sent[i] = len(completion.token_ids)
+                finals[i] = out
+                yield CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[
+                    CompletionChoice(index=i, text=completion.delta, logprobs=logprobs,
+                                     finish_reason=completion.finish_reason)])
+        if body.include_usage:
+            yield CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[],
+                                     usage=usage(finals, body.n))
+
+    async def _stream_chat(self, response_id: str, requests: list[EngineRequest], body: ChatCompletionRequest,
+                           top_n: int | None) -> AsyncIterator[ChatCompletionChunk]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=response_id, created=created, model=self.model_name, choices=choices,
+                                       usage=usage)
+
+        yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(len(requests))])
+        finals: list[RequestOutput] = [None] * len(requests)
+        tokens_sent = [0] * len(requests)
+        async with aclosing(self.engine.generate(requests)) as outputs:
+            async for i, out in outputs:
+                completion = out.outputs[0]
+                logprobs = None if top_n is None else self._chat_logprobs(completion, tokens_sent[i], top_n)
+                tokens_sent[i] = len(completion.token_ids)
+                finals[i] = out
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=completion.delta), logprobs=logprobs,
+                                             finish_reason=completion.finish_reason)])
+        if body.include_usage:
+            yield chunk([], usage(finals, body.n))
+
+    # -- logprobs: the engine gives, per output token, {token id: logprob}, sampled token first
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _new_logprobs(self, completion: CompletionOutput, start: int) -> list[tuple[int, dict[int, float]]]:
+        """(token, its logprob entry) for output tokens from `start` on. The entry list may
+        already be longer than this output's tokens (the engine thread keeps appending)."""
+        end = len(completion.token_ids)
+        return list(zip(completion.token_ids[start:end], completion.logprobs[start:end]))
+
+    def _completion_logprobs(self, completion: CompletionOutput, start: int,
+                             text_offset: int) -> tuple[CompletionLogprobs, int]:
+        """Completions' format (the sampled token plus the top n in `top_logprobs`), and the
+        text offset after these tokens."""
+        entries = self._new_logprobs(completion, start)
+        tokens = [self._token_text(token) for token, _ in entries]
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=text_offset))
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[entry[token] for token, entry in entries],
+            top_logprobs=[{self._token_text(t): lp for t, lp in entry.items()} for _, entry in entries],
+            text_offset=offsets[:-1]), offsets[-1]
+
+    def _chat_logprobs(self, completion: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:
+        content = []
+        for token, entry in self._new_logprobs(completion, start):
+            top = sorted(entry.items(), key=lambda item: -item[1])[:top_n]
+            content.append(TokenLogprob(**self._top_logprob(token, entry[token]).model_dump(),
+                                        top_logprobs=[self._top_logprob(t, lp) for t, lp in top]))
+        return ChatLogprobs(content=content)
+
+    def _top_logprob(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self._token_text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+def usage(finals: list[RequestOutput], n: int) -> Usage:
+    """Prompt tokens once per prompt (its n choices share it), completion tokens of every choice."""
+    prompt_tokens = sum(out.metrics["num_prompt_tokens"] for out in finals[::n])
+    completion_tokens = sum(len(out.outputs[0].token_ids) for out in finals)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+def event_stream(events: AsyncIterator[BaseModel]) -> StreamingResponse:
+    """Server-sent events, OpenAI style: `data: {json}` per chunk, then `data: [DONE]`.
+    An engine failure mid-stream becomes an error event (the status line is already sent).
+    A client that disconnects cancels this generator, whose cleanup aborts its requests."""
+
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {event.model_dump_json()}\n\n"
+        except EngineError as e:
+            error = ErrorResponse(error=ErrorInfo(message=str(e), type="server_error"))
+            yield f"data: {error.model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")

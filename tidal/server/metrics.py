@@ -1,0 +1,112 @@
+"""Prometheus metrics of one server.
+
+The engine thread records into this object after every step; /metrics renders it. Engine
+totals (pages, steps, tokens, speculation counts) come from a snapshot of
+`engine.stats()` taken on the engine thread, because the engine is not thread-safe.
+Each server has its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tidal.config import MAX_SPECULATIVE_TOKENS
+from tidal.request import RequestOutput
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.stats: dict = {}
+        self.registry.register(EngineStatsCollector(self))
+        r = self.registry
+        self.ttft = Histogram("tidal_time_to_first_token_seconds", "Arrival to first output token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("tidal_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, per request",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tidal_e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.draft_len = Histogram("tidal_spec_draft_length",
+                                   "Draft length K chosen for a request in a decode step (0 = plain decode)",
+                                   buckets=range(MAX_SPECULATIVE_TOKENS + 1), registry=r)
+        self.finished = Counter("tidal_requests_finished", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("tidal_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("tidal_cached_prompt_tokens",
+                                            "Prompt tokens served by the prefix cache", registry=r)
+        # Per running request: (drafting steps, drafted tokens) at its last output, to turn
+        # the cumulative per-request counts into the K of each step.
+        self._spec_seen: dict[str, tuple[int, int]] = {}
+
+    def update_stats(self, stats: dict) -> None:
+        self.stats = stats
+
+    def record_step(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            spec = out.metrics["spec"]
+            seen = (spec["num_steps"], spec["num_drafted"])
+            before = self._spec_seen.get(out.request_id)
+            # A request's first output comes from its prefill, which never drafts.
+            if before is not None:
+                self.draft_len.observe(seen[1] - before[1] if seen[0] > before[0] else 0)
+            self._spec_seen[out.request_id] = seen
+            if out.finished:
+                self.record_finished(out)
+
+    def record_finished(self, out: RequestOutput) -> None:
+        self._spec_seen.pop(out.request_id, None)
+        m = out.metrics
+        completion = out.outputs[0]
+        self.finished.labels(completion.finish_reason).inc()
+        self.prompt_tokens.inc(m["num_prompt_tokens"])
+        self.cached_prompt_tokens.inc(m["num_cached_prompt_tokens"])
+        self.e2e.observe(m["finish_time"] - m["arrival_time"])
+        if m["first_token_time"] is not None:
+            self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+            if len(completion.token_ids) > 1:
+                self.tpot.observe((m["finish_time"] - m["first_token_time"]) / (len(completion.token_ids) - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector:
+    """Turns the latest `engine.stats()` snapshot into metric families at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.stats
+        if not s:
+            return
+        yield GaugeMetricFamily("tidal_num_requests_running", "Requests in the running batch", s["num_running"])
+        yield GaugeMetricFamily("tidal_num_requests_waiting", "Requests waiting to be admitted", s["num_waiting"])
+        yield GaugeMetricFamily("tidal_kv_cache_pages", "KV cache pages in all", s["num_pages"])
+        yield GaugeMetricFamily("tidal_kv_cache_free_pages", "KV cache pages not held by a request",
+                                s["num_free_pages"])
+        yield GaugeMetricFamily("tidal_kv_cache_usage", "Fraction of KV cache pages held by requests",
+                                1 - s["num_free_pages"] / s["num_pages"])
+        yield CounterMetricFamily("tidal_prefix_cache_hit_pages", "Pages reused from the prefix cache",
+                                  s["prefix_cache_hit_pages"])
+        yield CounterMetricFamily("tidal_preemptions", "Requests preempted for lack of KV pages",
+                                  s["num_preemptions"])
+        yield CounterMetricFamily("tidal_steps", "Engine forward steps", s["num_steps"])
+        yield CounterMetricFamily("tidal_generation_tokens", "Output tokens committed", s["num_generated_tokens"])
+        spec = s["spec"]
+        yield CounterMetricFamily("tidal_spec_draft_tokens", "Draft tokens proposed and verified",
+                                  spec["num_drafted"])
+        yield CounterMetricFamily("tidal_spec_accepted_tokens", "Draft tokens accepted", spec["num_accepted"])
+        yield GaugeMetricFamily("tidal_spec_mean_accepted_length",
+                                "Tokens committed per drafting step (accepted drafts + 1)",
+                                spec["mean_accepted_length"])
+        acceptance = GaugeMetricFamily("tidal_spec_acceptance_rate", "Acceptance rate of each draft position",
+                                       labels=["position"])
+        for position, rate in enumerate(spec["acceptance_per_position"], start=1):
+            acceptance.add_metric([str(position)], rate)
+        yield acceptance
