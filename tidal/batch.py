@@ -43,9 +43,12 @@ class ForwardBatch:
         page_tables: list[list[int]],
         page_size: int,
         device: torch.device | str,
+        pad_seqs: int = 0,
+        pad_tokens: int = 0,
     ) -> "ForwardBatch":
         """Build from per-request query tokens, the number of tokens already in the KV cache
-        before them, and each request's page table."""
+        before them, and each request's page table. Padding (for a captured graph) adds
+        requests with no tokens and tokens that belong to no request and write nowhere."""
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
@@ -56,20 +59,22 @@ class ForwardBatch:
                 slots.append(pages[pos // page_size] * page_size + pos % page_size)
             starts.append(starts[-1] + len(tokens))
             seq_lens.append(ctx + len(tokens))
-        width = max(len(p) for p in page_tables)
-        table = [p + [0] * (width - len(p)) for p in page_tables]
         flat_ids = [t for tokens in token_ids for t in tokens]
+        extra_tokens = max(pad_tokens - len(flat_ids), 0)
+        extra_seqs = max(pad_seqs - len(seq_lens), 0)
+        width = max(len(p) for p in page_tables)
+        table = [p + [0] * (width - len(p)) for p in page_tables] + [[0] * width] * extra_seqs
 
         def as_tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype, pin_memory=False).to(device, non_blocking=True)
+            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
 
         return ForwardBatch(
-            input_ids=as_tensor(flat_ids, torch.int64),
-            positions=as_tensor(positions, torch.int64),
-            query_start_loc=as_tensor(starts, torch.int32),
-            seq_lens=as_tensor(seq_lens, torch.int32),
+            input_ids=as_tensor(flat_ids + [0] * extra_tokens, torch.int64),
+            positions=as_tensor(positions + [0] * extra_tokens, torch.int64),
+            query_start_loc=as_tensor(starts + [starts[-1]] * extra_seqs, torch.int32),
+            seq_lens=as_tensor(seq_lens + [0] * extra_seqs, torch.int32),
             page_table=as_tensor(table, torch.int32),
-            slot_mapping=as_tensor(slots, torch.int64),
+            slot_mapping=as_tensor(slots + [-1] * extra_tokens, torch.int64),
             max_query_len=max(len(t) for t in token_ids),
             max_seq_len=max(seq_lens),
         )

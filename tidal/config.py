@@ -10,6 +10,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 SPEC_POLICIES = ("off", "fixed", "table", "goodput")
+COST_MODELS = ("profile", "online")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -56,6 +57,28 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def parse_table(table, max_k: int) -> tuple[tuple[int, int], ...]:
+    """{batch size: K} (JSON keys may be strings) or (batch size, K) pairs, sorted by batch size."""
+    pairs = list(table.items()) if isinstance(table, dict) else list(table or ())
+    if not pairs:
+        raise ValueError("speculative_config.table: policy 'table' needs a non-empty {batch size: K} table")
+    out = {}
+    for entry in pairs:
+        try:
+            b, k = entry
+            b = int(b) if isinstance(b, str) and b.strip().isdigit() else b
+        except (TypeError, ValueError):
+            raise ValueError(f"speculative_config.table: bad entry {entry!r}; want batch size: K") from None
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"speculative_config.table: batch size {b!r} must be an integer >= 1")
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= max_k:
+            raise ValueError(f"speculative_config.table: K {k!r} for batch size {b} must be an integer in [0, {max_k}]")
+        if b in out:
+            raise ValueError(f"speculative_config.table: batch size {b} appears twice")
+        out[b] = k
+    return tuple(sorted(out.items()))
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, with vLLM's key names. `policy` decides each request's draft
@@ -64,7 +87,11 @@ class SpecConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None
-    policy: str = "fixed"
+    policy: str = "goodput"
+    table: dict | tuple | None = None    # policy "table": {batch size: K}; the largest batch size <= B applies
+    cost_model: str = "profile"          # policy "goodput": "profile" (measure at start-up, correct online) or "online"
+    profile_seconds: float = 3.0         # start-up profiling budget; shapes not reached are extrapolated
+    decision_log: str | None = None      # policy "goodput": append one JSON line per step here (debugging)
     prompt_lookup_min: int = 2           # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     simulate_acceptance: float | None = None  # benchmark only: accept each draft with this probability
@@ -80,9 +107,15 @@ class SpecConfig:
             raise ValueError(f"speculative_config.model: method {self.method!r} needs a drafter directory")
         if self.policy not in SPEC_POLICIES:
             raise ValueError(f"speculative_config.policy: unknown policy {self.policy!r}; expected one of {SPEC_POLICIES}")
-        if self.policy in ("table", "goodput"):
-            raise NotImplementedError(
-                f"speculative_config.policy {self.policy!r} is not implemented yet; use 'fixed' or 'off'")
+        if self.policy == "table" or self.table is not None:
+            if self.policy != "table":
+                raise ValueError(f"speculative_config.table is only used by policy 'table', not {self.policy!r}")
+            object.__setattr__(self, "table", parse_table(self.table, k))
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(
+                f"speculative_config.cost_model: unknown {self.cost_model!r}; expected one of {COST_MODELS}")
+        if not isinstance(self.profile_seconds, (int, float)) or self.profile_seconds <= 0:
+            raise ValueError(f"speculative_config.profile_seconds must be > 0, got {self.profile_seconds!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         a = self.simulate_acceptance
@@ -116,6 +149,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0       # CPU only
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None = "triton" on cuda, "torch" on cpu
+    enforce_eager: bool = False           # cuda: no CUDA graphs (debugging)
+    load_format: str = "safetensors"      # "dummy": random weights from config.json (speed runs)
     seed: int = 0
     speculative_config: SpecConfig | None = field(default=None)
 
@@ -132,6 +167,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len!r}")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2, got {self.num_pages!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         object.__setattr__(self, "speculative_config", SpecConfig.from_dict(self.speculative_config))

@@ -31,7 +31,7 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.runner = ModelRunner(config, self.model_config)
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         spec = config.speculative_config
         self.proposer = build_proposer(spec, self.runner, self.model_config) if spec else None
         self.runner.allocate_cache(self.proposer.bytes_per_page if self.proposer else 0)
@@ -40,8 +40,12 @@ class LLMEngine:
         self.pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            policy=make_policy(spec.policy, spec.num_speculative_tokens) if spec else None,
             max_draft_len=spec.num_speculative_tokens if spec else 0)
+        if spec:
+            self.scheduler.policy = make_policy(
+                spec, runner=self.runner, proposer=self.proposer, pool=self.pool,
+                demand=self.scheduler.prefill_demand, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.seeds = random.Random(config.seed)
@@ -163,6 +167,7 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "num_generated_tokens": self.num_generated_tokens,
             "spec": self.scheduler.spec.as_dict(),
+            "policy": {**self.scheduler.policy.stats(), "draft_len_counts": list(self.scheduler.draft_len_counts)},
         }
 
 

@@ -12,6 +12,7 @@ import torch
 from tidal.attention import get_backend
 from tidal.batch import ForwardBatch
 from tidal.config import DTYPES, EngineConfig
+from tidal.graphs import CudaGraphs
 from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
@@ -28,8 +29,9 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
         self.config = config
+        self.max_model_len = max_model_len
         self.model_config = model_config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -37,11 +39,12 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.page_size = config.page_size
         self.attn = get_backend(config.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
-        self.model = load_model(config.model, self.dtype, self.device, self.attn)
+        self.model = load_model(config.model, self.dtype, self.device, self.attn, config.load_format)
         self.num_pages = 0
         self.kv_caches: list[torch.Tensor] = []
         self.aux_layer_ids: tuple[int, ...] = ()    # set by an EAGLE-3 proposer before allocation
         self.aux_cache: torch.Tensor | None = None  # target hidden states per KV slot, for EAGLE-3
+        self.graphs: CudaGraphs | None = None
 
     def allocate_cache(self, extra_bytes_per_page: int = 0) -> None:
         """Size the page pool from the memory left after loading weights (a drafter's KV per
@@ -55,6 +58,12 @@ class ModelRunner:
             self.model.aux_layer_ids = self.aux_layer_ids
             self.aux_cache = torch.zeros(self.num_pages * self.page_size, aux_width, dtype=self.dtype,
                                          device=self.device)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            spec = self.config.speculative_config
+            self.graphs = CudaGraphs(self.model, self.kv_caches, self.page_size, self.max_model_len,
+                                     self.config.max_num_seqs, 1 + (spec.num_speculative_tokens if spec else 0),
+                                     self.device)
+            self.graphs.capture()
 
     def kv_bytes_per_page(self, mc: ModelConfig) -> int:
         return 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
@@ -84,18 +93,22 @@ class ModelRunner:
             if plan.draft_lens[i]:
                 feed = feed + drafts[i]
             feeds.append(feed)
-        batch = ForwardBatch.build(feeds, [r.num_computed for r in reqs], [r.pages for r in reqs],
-                                   self.page_size, self.device)
-        out = self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+        width = 1 + plan.max_draft_len
+        rows = [i for i in range(len(reqs)) if plan.samples(i)]
+        contexts, pages = [r.num_computed for r in reqs], [r.pages for r in reqs]
+        decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
+        if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
+            out, slot_mapping = self.graphs.run(feeds, contexts, pages, width)
+        else:
+            batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device)
+            out, slot_mapping = self.model(batch.input_ids, batch.positions, batch, self.kv_caches), batch.slot_mapping
         if self.aux_cache is not None:
             hidden, aux = out
-            self.aux_cache[batch.slot_mapping] = aux
+            self.aux_cache[slot_mapping] = aux
         else:
             hidden = out
 
         # Rows that sample: logits for their last K_i + 1 query positions, padded to W.
-        width = 1 + plan.max_draft_len
-        rows = [i for i in range(len(reqs)) if plan.samples(i)]
         ends, offset = [], 0
         for i, feed in enumerate(feeds):
             offset += len(feed)

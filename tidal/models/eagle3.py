@@ -22,7 +22,7 @@ from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
 from tidal.models.llama import MLP, Attention, CausalLM, fused_checkpoint_names
-from tidal.models.loader import build_on, checkpoint_tensor_names, load_weights
+from tidal.models.loader import build_on, checkpoint_tensor_names, fill_weights
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -141,11 +141,12 @@ def load_eagle3(
     dtype: torch.dtype,
     device: torch.device | str,
     attn: AttentionBackend,
+    load_format: str = "safetensors",
 ) -> Eagle3Head:
     """Load an EAGLE-3 head for `target_model` (whose embedding it shares if it has none)."""
     cfg = Eagle3Config.from_pretrained(model_dir, target_model.config)
-    has_embedding = "embed_tokens.weight" in checkpoint_tensor_names(model_dir)
+    has_embedding = load_format != "dummy" and "embed_tokens.weight" in checkpoint_tensor_names(model_dir)
     with build_on(device, dtype):
         head = Eagle3Head(cfg, attn, None if has_embedding else target_model.embed_tokens)
-    load_weights(head, model_dir)
+    fill_weights(head, model_dir, load_format)
     return head.eval()

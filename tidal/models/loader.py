@@ -35,13 +35,38 @@ def build_on(device: torch.device | str, dtype: torch.dtype):
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, attn: AttentionBackend
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str, attn: AttentionBackend,
+    load_format: str = "safetensors",
 ) -> CausalLM:
     config = ModelConfig.from_pretrained(model_dir)
     with build_on(device, dtype):
         model = CausalLM(config, attn)
-    load_weights(model, model_dir)
+    fill_weights(model, model_dir, load_format)
     return model.eval()
+
+
+def fill_weights(module: nn.Module, model_dir: str | Path, load_format: str) -> None:
+    if load_format == "safetensors":
+        load_weights(module, model_dir)
+    elif load_format == "dummy":
+        init_dummy_weights(module)
+    else:
+        raise ValueError(f"load_format: unknown format {load_format!r} (expected 'safetensors' or 'dummy')")
+
+
+@torch.no_grad()
+def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
+    """Random weights for speed measurements (only config.json is read): small normal
+    matrices, unit norms, zero integer buffers (an EAGLE-3 d2t of zeros maps draft id i
+    to target id i)."""
+    for name, tensor in module.state_dict().items():
+        if not tensor.is_floating_point():
+            tensor.zero_()
+        elif tensor.dim() == 1:
+            tensor.fill_(1.0 if "norm" in name else 0.0)
+        else:
+            g = torch.Generator(tensor.device).manual_seed(seed + hash(name) % 10_000)
+            tensor.normal_(0.0, 0.02, generator=g)
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -25,7 +25,7 @@ class DraftModelProposer:
                 f"speculative_config.model: drafter vocabulary ({self.config.vocab_size} tokens) differs from "
                 f"the target's ({target_config.vocab_size})")
         self.runner = runner
-        self.model = load_model(model_dir, runner.dtype, runner.device, runner.attn)
+        self.model = load_model(model_dir, runner.dtype, runner.device, runner.attn, runner.config.load_format)
         self.kv_caches: list[torch.Tensor] = []
 
     @property

@@ -1,0 +1,262 @@
+"""One H200 run for the GPU fast path: correctness first, then speed, side by side.
+
+    PYTHONPATH=. python benchmarks/gpu_fastpath.py            # on the GPU machine
+    PYTHONPATH=. python benchmarks/gpu_fastpath.py --smoke    # tiny shapes on the CPU (checks the script)
+
+Correctness: greedy tokens of a tiny float32 Llama on the GPU (Triton kernels, CUDA graphs)
+equal transformers' and the torch reference backend's. Speed: a Llama-3.1-8B-shaped model
+with random weights (bf16): batch-1 decode, offline 256 x (128 in, 128 out) against
+transformers' static-cache generate in the same run, a proposer configured at K = 0 vs
+none, an EAGLE-3-shaped head with SIMULATED acceptance (0.8, K = 4) vs plain, and the
+scheduler's Python time per step at 256 requests. Prints a table last; writes JSON to
+$OUT/gpu_fastpath.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tidal import LLM, SamplingParams  # noqa: E402
+from tidal.demo import build_demo_model  # noqa: E402
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0,
+             rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def write_model_dir(root: Path, shape: dict) -> Path:
+    """config.json of the given shape plus the demo tokenizer (prompts are token ids)."""
+    build_demo_model(root / "tok")
+    path = root / "target"
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(root / "tok" / name, path / name)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 0,
+              "eos_token_id": 1, "torch_dtype": "bfloat16", **shape}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def write_eagle_dir(root: Path, shape: dict) -> Path:
+    path = root / "eagle3"
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "draft_vocab_size": 32000,
+              **shape, "num_hidden_layers": 1}
+    config["draft_vocab_size"] = min(32000, shape["vocab_size"])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def random_prompts(n, length, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def release(*objs):
+    for o in objs:
+        del o
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def decode_rate(llm, prompts, new_tokens):
+    """Output tokens per second over the decode phase (first token to last), and overall."""
+    start = time.perf_counter()
+    outs = llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    total = time.perf_counter() - start
+    first = min(o.metrics["first_token_time"] for o in outs)
+    last = max(o.metrics["finish_time"] for o in outs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    decode_tokens = tokens - len(outs)
+    return {"tokens": tokens, "seconds": total, "tok_s": tokens / total,
+            "decode_tok_s": decode_tokens / max(last - first, 1e-9)}
+
+
+def check_correctness(device, results):
+    from checkpoints import make_checkpoint
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = str(make_checkpoint(Path(tmp) / "tiny", "llama", num_layers=4))
+        prompts = random_prompts(6, 0, 384, seed=1)
+        prompts = [p + [random.Random(i).randrange(3, 384) for _ in range(3 + 9 * i)] for i, p in enumerate(prompts)]
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+        hf.generation_config.eos_token_id = None
+        want = [hf.generate(torch.tensor([p], device=device), max_new_tokens=32, min_new_tokens=32,
+                            do_sample=False)[0, len(p):].tolist() for p in prompts]
+        release(hf)
+        variants = {"triton+graphs": {}, "triton eager": {"enforce_eager": True},
+                    "torch reference": {"attention_backend": "torch", "enforce_eager": True}}
+        for name, kw in variants.items():
+            llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, **kw)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
+            stats = llm.engine.stats()
+            results["correctness"][name] = {"equal_to_transformers": got == want,
+                                            "pages_free": stats["num_free_pages"] == stats["num_pages"]}
+            release(llm)
+
+
+def scheduler_overhead(llm, prompts, new_tokens):
+    """Python time in schedule + commit (host bookkeeping) vs whole step, at full batch."""
+    engine = llm.engine
+    timings = {"schedule": [], "commit": [], "step": []}
+    schedule, commit, step = engine.scheduler.schedule, engine.scheduler.commit, engine.step
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            timings[name].append(time.perf_counter() - t)
+            return out
+        return wrapper
+
+    engine.scheduler.schedule, engine.scheduler.commit = timed("schedule", schedule), timed("commit", commit)
+    engine.step = timed("step", step)
+    try:
+        llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    finally:
+        engine.scheduler.schedule, engine.scheduler.commit, engine.step = schedule, commit, step
+    # Decode steps only: skip the first steps (prefill) and the tail.
+    steps = list(zip(timings["schedule"], timings["commit"], timings["step"]))[4:-4]
+    host = sum(s + c for s, c, _ in steps) / len(steps)
+    total = sum(t for _, _, t in steps) / len(steps)
+    return {"host_ms": host * 1e3, "step_ms": total * 1e3, "fraction": host / total}
+
+
+def hf_static_generate(model_dir, device, batch, prompt_len, new_tokens):
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor(random_prompts(batch, prompt_len, config.vocab_size), device=device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+              cache_implementation="static")
+    model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm up
+    torch.cuda.synchronize() if device == "cuda" else None
+    start = time.perf_counter()
+    out = model.generate(ids, **kw)
+    torch.cuda.synchronize() if device == "cuda" else None
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - prompt_len) * batch
+    release(model)
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    args = ap.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    shape = SMOKE if args.smoke else LLAMA_8B
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               "torch": torch.__version__, "correctness": {}, "speed": {},
+               "note": "random weights; speculation rows use SIMULATED acceptance"}
+    batch, prompt_len, new_tokens = (8, 16, 16) if args.smoke else (256, 128, 128)
+    b1_tokens = 32 if args.smoke else 256
+    common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
+                  max_model_len=2048, max_num_seqs=batch, num_pages=(batch * (prompt_len + new_tokens + 8)) // 16 + 64)
+
+    def section(name, fn):
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            results.setdefault("errors", {})[name] = traceback.format_exc()
+            print(f"[{name}] FAILED\n{traceback.format_exc()}", flush=True)
+        print(f"[{name}] {time.perf_counter() - t:.1f}s", flush=True)
+
+    if not args.smoke:
+        section("correctness", lambda: check_correctness(device, results))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp), shape)
+        eagle_dir = write_eagle_dir(Path(tmp), shape)
+        speed = results["speed"]
+        one = random_prompts(1, prompt_len, shape["vocab_size"], seed=3)
+        many = random_prompts(batch, prompt_len, shape["vocab_size"], seed=4)
+        mid = many[:64]
+
+        def plain():
+            llm = LLM(model=str(model_dir), **common)
+            llm.generate(one, greedy(8), use_tqdm=False)  # warm up
+            speed["plain_b1"] = decode_rate(llm, one, b1_tokens)
+            speed["plain_b64"] = decode_rate(llm, mid, new_tokens)
+            speed["plain_offline"] = decode_rate(llm, many, new_tokens)
+            speed["scheduler_overhead"] = scheduler_overhead(llm, many, new_tokens)
+            release(llm)
+
+        def spec(name, **cfg):
+            sc = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4, **cfg}
+            llm = LLM(model=str(model_dir), speculative_config=sc, **common)
+            llm.generate(one, greedy(8), use_tqdm=False)
+            speed[f"{name}_b1"] = decode_rate(llm, one, b1_tokens)
+            if cfg.get("policy") == "off":
+                speed[f"{name}_b64"] = decode_rate(llm, mid, new_tokens)
+            speed[f"{name}_b1"]["spec"] = llm.engine.stats()["spec"]
+            release(llm)
+
+        section("plain", plain)
+        section("eagle3_k0", lambda: spec("eagle3_off", policy="off"))
+        section("eagle3_sim08_k4", lambda: spec("eagle3_sim08_k4", policy="fixed", simulate_acceptance=0.8))
+        if not args.smoke:
+            section("transformers", lambda: speed.__setitem__(
+                "hf_static_offline", hf_static_generate(str(model_dir), device, batch, prompt_len, new_tokens)))
+
+    rows = []
+    s = results["speed"]
+
+    def ratio(a, b, key="decode_tok_s"):
+        try:
+            return s[a][key] / s[b][key]
+        except (KeyError, ZeroDivisionError):
+            return float("nan")
+
+    for name, value in results["correctness"].items():
+        rows.append((f"greedy == transformers, {name}", str(value)))
+    for key in ("plain_b1", "plain_b64", "plain_offline", "eagle3_off_b1", "eagle3_off_b64", "eagle3_sim08_k4_b1",
+                "hf_static_offline"):
+        if key in s:
+            rows.append((f"{key} tok/s (decode / overall)",
+                         f"{s[key].get('decode_tok_s', float('nan')):.0f} / {s[key]['tok_s']:.0f}"))
+    rows.append(("offline: tidal / transformers (overall tok/s)", f"{ratio('plain_offline', 'hf_static_offline', 'tok_s'):.2f}x"))
+    rows.append(("K=0 configured / none, batch 1 (time ratio)", f"{ratio('plain_b1', 'eagle3_off_b1'):.3f}"))
+    rows.append(("K=0 configured / none, batch 64 (time ratio)", f"{ratio('plain_b64', 'eagle3_off_b64'):.3f}"))
+    rows.append(("EAGLE-3 sim 0.8 K=4 / plain, batch 1", f"{ratio('eagle3_sim08_k4_b1', 'plain_b1'):.2f}x"))
+    if "scheduler_overhead" in s:
+        o = s["scheduler_overhead"]
+        rows.append(("scheduler host time / step at full batch", f"{o['host_ms']:.2f} / {o['step_ms']:.2f} ms = {o['fraction']:.1%}"))
+    results["table"] = rows
+    (out_dir / "gpu_fastpath.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n" + "\n".join(f"{k:<55} {v}" for k, v in rows))
+
+
+if __name__ == "__main__":
+    main()

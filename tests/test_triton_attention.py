@@ -1,0 +1,192 @@
+"""Triton paged attention, run on the CPU through the Triton interpreter."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated: set before importing them
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from tidal.attention.triton_attn import (  # noqa: E402
+    AttentionConfig, TritonAttention, choose_config, paged_attention, store_kv,
+)
+from tidal.batch import ForwardBatch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpreter_mode(monkeypatch):
+    """Require the interpreter and work around its bf16 dot (triton 3.9 multiplies the raw
+    uint16 bits): upcast bf16 operands to float32, as the GPU's tensor cores effectively do."""
+    if not isinstance(tl.max, interpreter.InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (torch._dynamo "
+                    "imports it): set it in the environment or at the top of tests/conftest.py")
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def patched(self, a, b, d, *args):
+        a, b = (self.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+                for x in (a, b))
+        return create_dot(self, a, b, d, *args)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", patched)
+
+
+# (cached tokens, new tokens): a prefill, a chunked extend, a decode, a verify of 4 tokens
+MIXED = [(0, 7), (37, 5), (50, 1), (20, 4)]
+
+
+def make_case(seqs, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=0):
+    """Random paged cache holding each request's prefix, shuffled non-contiguous pages, and
+    q/k/v of the new tokens as strided views of one qkv tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-(ctx + n) // page_size) for ctx, n in seqs]
+    num_pages = sum(pages_per_seq) + 3
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    page_tables = []
+    for n in pages_per_seq:
+        page_tables.append(perm[:n])
+        perm = perm[n:]
+    cache = torch.randn(2, num_pages, page_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    keys, values = [], []  # full logical K/V per request
+    for (ctx, n), pages in zip(seqs, page_tables):
+        kv = torch.randn(2, ctx + n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for pos in range(ctx):
+            cache[:, pages[pos // page_size], pos % page_size] = kv[:, pos]
+        keys.append(kv[0])
+        values.append(kv[1])
+    batch = ForwardBatch.build([[1] * n for _, n in seqs], [ctx for ctx, _ in seqs],
+                               page_tables, page_size, "cpu")
+    qkv = torch.randn(batch.num_tokens, num_heads + 2 * num_kv_heads, head_dim,
+                      generator=gen).to(dtype)
+    q = qkv[:, :num_heads]
+    k = torch.cat([kk[ctx:] for kk, (ctx, _) in zip(keys, seqs)])
+    v = torch.cat([vv[ctx:] for vv, (ctx, _) in zip(values, seqs)])
+    qkv[:, num_heads:num_heads + num_kv_heads] = k
+    qkv[:, num_heads + num_kv_heads:] = v
+    return q, qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:], \
+        cache, batch, keys, values
+
+
+def reference(q, keys, values, seqs, scale):
+    """Per-request causal attention in float32 from the logical K/V."""
+    group = q.shape[1] // keys[0].shape[1]
+    out, start = [], 0
+    for (ctx, n), kk, vv in zip(seqs, keys, values):
+        qi = q[start:start + n].float()
+        ki = kk.float().repeat_interleave(group, dim=1)
+        vi = vv.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        visible = torch.arange(ctx + n)[None, :] <= ctx + torch.arange(n)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out.append(torch.einsum("hqk,khd->qhd", probs, vi))
+        start += n
+    return torch.cat(out)
+
+
+def expected_cache(cache, k, v, slots):
+    exp = cache.clone()
+    flat = exp.view(2, -1, *exp.shape[3:])
+    keep = slots >= 0
+    flat[0, slots[keep]] = k[keep]
+    flat[1, slots[keep]] = v[keep]
+    return exp
+
+
+def tol(dtype):
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 2, 64), (6, 2, 64), (4, 1, 128)])
+def test_mixed_batch(heads, page_size, dtype):
+    num_heads, num_kv_heads, head_dim = heads
+    q, k, v, cache, batch, keys, values = make_case(
+        MIXED, num_heads, num_kv_heads, head_dim, page_size, dtype)
+    scale = head_dim ** -0.5
+    want_cache = expected_cache(cache, k, v, batch.slot_mapping)
+    out = TritonAttention().forward(q, k, v, cache, batch, scale)
+    assert torch.equal(cache, want_cache)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference(q, keys, values, MIXED, scale), **tol(dtype))
+
+
+def test_float16():
+    q, k, v, cache, batch, keys, values = make_case(MIXED, 4, 2, 64, 16, torch.float16, seed=7)
+    out = TritonAttention().forward(q, k, v, cache, batch, 0.125)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), reference(q, keys, values, MIXED, 0.125),
+                               atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefill_several_query_blocks(dtype):
+    seqs = [(40, 150), (0, 3), (90, 1)]
+    q, k, v, cache, batch, keys, values = make_case(seqs, 4, 2, 64, 16, dtype, seed=1)
+    cfg = choose_config(batch, 4, 2, 64, dtype, q.device)
+    assert batch.max_query_len > cfg.block_m // 2  # more than one query block per request
+    out = TritonAttention().forward(q, k, v, cache, batch, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, keys, values, seqs, 0.125), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_causal_edges_at_key_block_boundaries(dtype):
+    """Prefixes ending next to a key block edge (blocks of 32 or 64 keys)."""
+    seqs = [(62, 3), (63, 1), (30, 2), (127, 5), (0, 40), (64, 1)]
+    q, k, v, cache, batch, keys, values = make_case(seqs, 4, 2, 64, 16, dtype, seed=6)
+    out = TritonAttention().forward(q, k, v, cache, batch, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, keys, values, seqs, 0.125), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_split_kv_decode(page_size, dtype):
+    seqs = [(700, 1), (300, 1), (5, 1), (1000, 1)]
+    q, k, v, cache, batch, keys, values = make_case(seqs, 8, 2, 64, page_size, dtype, seed=2)
+    cfg = choose_config(batch, 8, 2, 64, dtype, q.device)
+    assert cfg.num_splits > 1
+    out = TritonAttention().forward(q, k, v, cache, batch, 0.125)
+    torch.testing.assert_close(out.float(), reference(q, keys, values, seqs, 0.125), **tol(dtype))
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_mixed_batch(num_splits):
+    """Splits also serve prefill, extend and verify rows (some splits see no key)."""
+    seqs = MIXED + [(130, 4)]
+    q, k, v, cache, batch, keys, values = make_case(seqs, 4, 2, 64, 16, torch.float32, seed=3)
+    store_kv(k, v, cache, batch.slot_mapping)
+    cfg = AttentionConfig(block_m=16, block_n=32, num_splits=num_splits, num_warps=4, num_stages=2)
+    out = paged_attention(q, cache, batch, 0.125, cfg)
+    torch.testing.assert_close(out, reference(q, keys, values, seqs, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_skips_negative_slots():
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 6, 16, 3, 64, generator=gen)
+    k = torch.randn(5, 3, 64, generator=gen)
+    v = torch.randn(5, 3, 64, generator=gen)
+    slots = torch.tensor([17, -1, 95, 0, -1])
+    want = expected_cache(cache, k, v, slots)
+    store_kv(k, v, cache, slots)
+    assert torch.equal(cache, want)
+
+
+def test_rejects_bad_head_dim():
+    q, k, v, cache, batch, _, _ = make_case([(3, 2)], 2, 1, 64, 16, torch.float32)
+    bad_cache = torch.zeros(*cache.shape[:-1], 96)
+    with pytest.raises(AssertionError, match="power-of-two head_dim"):
+        paged_attention(torch.zeros(q.shape[0], 2, 96), bad_cache, batch, 0.1)
+
+
+def test_matches_torch_reference_backend():
+    torch_ref = pytest.importorskip("tidal.attention.torch_ref")
+    seqs = MIXED + [(300, 1)]
+    q, k, v, cache, batch, _, _ = make_case(seqs, 6, 2, 64, 16, torch.float32, seed=5)
+    ref_cache = cache.clone()
+    out = TritonAttention().forward(q, k, v, cache, batch, 0.125)
+    want = torch_ref.TorchAttention().forward(q, k, v, ref_cache, batch, 0.125)
+    assert torch.equal(cache, ref_cache)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
