@@ -34,7 +34,7 @@ from tidal import LLM, SamplingParams  # noqa: E402
 from tidal.demo import build_demo_model  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
@@ -155,9 +155,10 @@ def hf_static_generate(model_dir, device, batch, prompt_len, new_tokens):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.generation_config.eos_token_id = None
     ids = torch.tensor(random_prompts(batch, prompt_len, config.vocab_size), device=device)
+    # Static cache, no torch.compile (transformers would compile a static-cache generate).
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              cache_implementation="static")
-    model.generate(ids[:, :16], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm up
+              cache_implementation="static", disable_compile=True)
+    model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm up
     torch.cuda.synchronize() if device == "cuda" else None
     start = time.perf_counter()
     out = model.generate(ids, **kw)

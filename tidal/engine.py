@@ -151,8 +151,9 @@ class LLMEngine:
             "arrival_time": req.arrival_time,
             "first_token_time": req.first_token_time,
             "finish_time": req.finish_time,
-            "spec": req.spec.as_dict(),
         }
+        if req.finished:
+            metrics["spec"] = req.spec.as_dict()
         return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens], [completion],
                              req.finished, metrics)
 

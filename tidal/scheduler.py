@@ -35,6 +35,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.spec = SpecStats()       # server-wide acceptance statistics
+        self.draft_len_counts = [0] * (max_draft_len + 1)  # decoding rows per chosen K
         self.num_preemptions = 0
 
     # -- admission -----------------------------------------------------------------------
@@ -120,8 +121,23 @@ class Scheduler:
         limits = [max(0, min(self.max_draft_len,
                              r.params.max_tokens - r.num_output_tokens - 1,
                              self.max_model_len - r.num_tokens - 1)) for r in decoding]
-        ks = self.policy.choose(decoding, limits, len(self.waiting))
-        return {r.request_id: max(0, min(k, limit)) for r, k, limit in zip(decoding, ks, limits)}
+        chosen = self.policy.choose(decoding, limits, len(self.waiting))
+        ks = [max(0, min(k, limit)) for k, limit in zip(chosen, limits)]
+        for k in ks:
+            self.draft_len_counts[k] += 1
+        return {r.request_id: k for r, k in zip(decoding, ks)}
+
+    def prefill_demand(self, limit: int) -> int:
+        """Prompt tokens that running and admissible waiting requests still have to feed
+        (what draft tokens would take budget from), counted up to `limit`."""
+        total = 0
+        admissible = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
+        for req in itertools.chain(self.running, admissible):
+            if req.num_computed < req.num_tokens - 1:
+                total += req.num_tokens - req.num_computed
+                if total >= limit:
+                    break
+        return total
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -19,6 +19,10 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int] = ()):
         self.hf = hf_tokenizer
+        # The Rust tokenizer decodes several times faster than the Python wrapper around it;
+        # use it directly when the wrapper would add nothing (no space clean-up).
+        fast = getattr(hf_tokenizer, "backend_tokenizer", None)
+        self._decoder = fast if fast is not None and not hf_tokenizer.clean_up_tokenization_spaces else None
         ids = set(eos_token_ids)
         if hf_tokenizer.eos_token_id is not None:
             ids.add(hf_tokenizer.eos_token_id)
@@ -41,6 +45,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._decoder is not None:
+            return self._decoder.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = True,

@@ -18,6 +18,10 @@ class RMSNorm(nn.Module):
 
         Same order of operations as transformers: add in the model dtype, normalise in
         float32, cast back, then scale by the weight."""
+        if x.is_cuda:
+            from tidal.layers import fused
+
+            return fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
         h = x.float()

@@ -103,10 +103,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, e: RequestValidationError):
-        errors = e.errors()
-        fields = [".".join(str(part) for part in err["loc"] if part != "body") for err in errors]
-        message = "; ".join(f"{field}: {err['msg']}" if field else err["msg"] for field, err in zip(fields, errors))
-        return APIError(400, message, param=fields[0] if errors and fields[0] else None).response()
+        problems = [describe_validation_error(err) for err in e.errors()]
+        return APIError(400, "; ".join(message for _, message in problems), param=problems[0][0]).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
@@ -115,6 +113,14 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, e: EngineError):
         return APIError(500, str(e), type="server_error").response()
+
+
+def describe_validation_error(err: dict) -> tuple[str | None, str]:
+    """(the field, a message naming it) for one pydantic error in the request body."""
+    if err["type"] == "json_invalid":
+        return None, f"malformed JSON body at character {err['loc'][-1]}: {err['ctx']['error']}"
+    path = [str(part) for part in err["loc"][1:]]  # loc[0] is "body"; a union adds its member's name
+    return (path[0] if path else None), f"{'.'.join(path) or 'request body'}: {err['msg']}"
 
 
 def api_key_check(api_key: str):
@@ -279,7 +285,10 @@ class OpenAIServing:
     # -- logprobs: the engine gives, per output token, {token id: logprob}, sampled token first
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """The token's text; for a token that is only part of a UTF-8 character (it decodes
+        to U+FFFD), its vocabulary entry instead, which unlike U+FFFD tells tokens apart."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.hf.convert_ids_to_tokens(token_id) if "\ufffd" in text else text
 
     def _new_logprobs(self, completion: CompletionOutput, start: int) -> list[tuple[int, dict[int, float]]]:
         """(token, its logprob entry) for output tokens from `start` on. The entry list may
@@ -296,7 +305,8 @@ class OpenAIServing:
         offsets = list(itertools.accumulate((len(t) for t in tokens), initial=text_offset))
         return CompletionLogprobs(
             tokens=tokens, token_logprobs=[entry[token] for token, entry in entries],
-            top_logprobs=[{self._token_text(t): lp for t, lp in entry.items()} for _, entry in entries],
+            # Reversed so that the sampled token (first) wins when two ids decode to the same text.
+            top_logprobs=[{self._token_text(t): lp for t, lp in reversed(entry.items())} for _, entry in entries],
             text_offset=offsets[:-1]), offsets[-1]
 
     def _chat_logprobs(self, completion: CompletionOutput, start: int, top_n: int) -> ChatLogprobs:

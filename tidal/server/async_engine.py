@@ -73,9 +73,6 @@ class AsyncEngine:
                 if isinstance(out, EngineError):
                     raise EngineError(str(out))  # a fresh one per consumer: they share the error
                 if out.finished:
-                    # Only the engine thread's own shutdown aborts a request someone listens to.
-                    if out.outputs[0].finish_reason == "abort":
-                        raise EngineError("the request was aborted: the server is shutting down")
                     unfinished.discard(out.request_id)
                 yield position[out.request_id], out
         finally:
@@ -91,17 +88,21 @@ class AsyncEngine:
         self._wake.set()
 
     def _run(self) -> None:
-        while True:
-            self._wake.clear()  # before reading commands, so that one sent meanwhile wakes the wait
-            if self._apply_commands():
-                break
-            if self.engine.has_unfinished():
-                self._step()
-            else:
-                self.metrics.update_stats(self.engine.stats())
-                self._wake.wait()
-        self._abort_all(EngineError("the request was aborted: the server is shutting down"))
-        self.metrics.update_stats(self.engine.stats())
+        try:
+            while True:
+                self._wake.clear()  # before reading commands, so that one sent meanwhile ends the wait
+                if self._apply_commands():
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                else:
+                    self.metrics.update_stats(self.engine.stats())
+                    self._wake.wait()
+            self._abort(list(self.engine.requests), "the request was aborted: the server is shutting down")
+        except Exception as e:
+            # The engine is in an unknown state: nothing it runs can be trusted to finish.
+            logger.exception("the engine thread failed")
+            self._loop.call_soon_threadsafe(self._fail, None, EngineError(f"the engine failed: {e!r}"))
 
     def _apply_commands(self) -> bool:
         """Apply queued additions and aborts; True once asked to stop."""
@@ -125,19 +126,22 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:
             logger.exception("engine step failed; failing its requests")
-            self._abort_all(EngineError(f"engine step failed: {e!r}"))
+            self._abort(list(self.engine.requests), f"engine step failed: {e!r}")
             return
-        self.metrics.record_step(outputs)
+        for out in outputs:
+            if out.finished:
+                self.metrics.record_finished(out)
         self.metrics.update_stats(self.engine.stats())
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
 
-    def _abort_all(self, error: EngineError) -> None:
-        for request_id in list(self.engine.requests):
+    def _abort(self, request_ids: list[str], reason: str) -> None:
+        """Abort requests in the engine (freeing their pages) and fail their consumers."""
+        for request_id in request_ids:
             out = self.engine.abort(request_id)
             if out is not None:
                 self.metrics.record_finished(out)
-        self._loop.call_soon_threadsafe(self._fail_listeners, error)
+        self._loop.call_soon_threadsafe(self._fail, request_ids, EngineError(reason))
 
     # -- on the event loop ---------------------------------------------------------------
 
@@ -147,6 +151,9 @@ class AsyncEngine:
             if listener is not None:  # None: its consumer left and an abort is on its way
                 listener.put_nowait(out)
 
-    def _fail_listeners(self, error: EngineError) -> None:
-        for listener in set(self._listeners.values()):
+    def _fail(self, request_ids: list[str] | None, error: EngineError) -> None:
+        """Hand `error` to the consumers of these requests (None: of all requests)."""
+        listeners = self._listeners if request_ids is None else \
+            {r: self._listeners[r] for r in request_ids if r in self._listeners}
+        for listener in set(listeners.values()):
             listener.put_nowait(error)

@@ -1,17 +1,19 @@
 """Prometheus metrics of one server.
 
-The engine thread records into this object after every step; /metrics renders it. Engine
-totals (pages, steps, tokens, speculation counts) come from a snapshot of
-`engine.stats()` taken on the engine thread, because the engine is not thread-safe.
-Each server has its own registry, so several servers can live in one process (tests).
+The engine thread records finished requests here and, after every step, a snapshot of
+`engine.stats()` (the engine is not thread-safe, so /metrics must not call it); engine
+totals (pages, steps, tokens, speculation counts, chosen draft lengths) are read from
+that snapshot when /metrics renders. Each server has its own registry, so that several
+servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import itertools
 
-from tidal.config import MAX_SPECULATIVE_TOKENS
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
 from tidal.request import RequestOutput
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -31,35 +33,16 @@ class ServerMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tidal_e2e_request_latency_seconds", "Arrival to finish",
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.draft_len = Histogram("tidal_spec_draft_length",
-                                   "Draft length K chosen for a request in a decode step (0 = plain decode)",
-                                   buckets=range(MAX_SPECULATIVE_TOKENS + 1), registry=r)
         self.finished = Counter("tidal_requests_finished", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("tidal_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.cached_prompt_tokens = Counter("tidal_cached_prompt_tokens",
                                             "Prompt tokens served by the prefix cache", registry=r)
-        # Per running request: (drafting steps, drafted tokens) at its last output, to turn
-        # the cumulative per-request counts into the K of each step.
-        self._spec_seen: dict[str, tuple[int, int]] = {}
 
     def update_stats(self, stats: dict) -> None:
         self.stats = stats
 
-    def record_step(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            spec = out.metrics["spec"]
-            seen = (spec["num_steps"], spec["num_drafted"])
-            before = self._spec_seen.get(out.request_id)
-            # A request's first output comes from its prefill, which never drafts.
-            if before is not None:
-                self.draft_len.observe(seen[1] - before[1] if seen[0] > before[0] else 0)
-            self._spec_seen[out.request_id] = seen
-            if out.finished:
-                self.record_finished(out)
-
     def record_finished(self, out: RequestOutput) -> None:
-        self._spec_seen.pop(out.request_id, None)
         m = out.metrics
         completion = out.outputs[0]
         self.finished.labels(completion.finish_reason).inc()
@@ -83,8 +66,6 @@ class EngineStatsCollector:
 
     def collect(self):
         s = self.metrics.stats
-        if not s:
-            return
         yield GaugeMetricFamily("tidal_num_requests_running", "Requests in the running batch", s["num_running"])
         yield GaugeMetricFamily("tidal_num_requests_waiting", "Requests waiting to be admitted", s["num_waiting"])
         yield GaugeMetricFamily("tidal_kv_cache_pages", "KV cache pages in all", s["num_pages"])
@@ -110,3 +91,9 @@ class EngineStatsCollector:
         for position, rate in enumerate(spec["acceptance_per_position"], start=1):
             acceptance.add_metric([str(position)], rate)
         yield acceptance
+        counts = s["policy"]["draft_len_counts"]  # [K] = decoding requests the policy gave K drafts
+        cumulative = list(itertools.accumulate(counts))
+        yield HistogramMetricFamily(
+            "tidal_spec_draft_length", "Draft length K chosen for a decoding request in a step (0 = plain decode)",
+            buckets=[(str(k), n) for k, n in enumerate(cumulative)] + [("+Inf", cumulative[-1])],
+            sum_value=sum(k * n for k, n in enumerate(counts)))

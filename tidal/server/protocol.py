@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 MAX_CHOICES = 128  # n: a bound on the requests one HTTP call may fan out into
 
@@ -21,6 +21,8 @@ class StreamOptions(BaseModel):
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(allow_inf_nan=False)  # JSON's NaN / Infinity extensions are no sampling values
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
@@ -66,7 +68,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class Usage(BaseModel):
@@ -138,6 +140,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_what_changed(self, serialize):
+        """A delta carries only its new fields, as OpenAI's do ({"content": ...}, no "role": null)."""
+        return {key: value for key, value in serialize(self).items() if value is not None}
 
 
 class ChatChunkChoice(BaseModel):

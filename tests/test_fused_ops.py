@@ -1,0 +1,133 @@
+"""Fused Triton RMSNorm / rotary / SiluAndMul against the torch modules, on the CPU through
+the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from tidal.layers import fused  # noqa: E402
+from tidal.layers.activation import SiluAndMul  # noqa: E402
+from tidal.layers.norm import RMSNorm  # noqa: E402
+from tidal.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOKENS = [1, 37]
+
+
+@pytest.fixture(autouse=True)
+def round_to_nearest_bf16(monkeypatch):
+    """The interpreter (triton 3.9) truncates float32 -> bf16; the GPU rounds to nearest
+    even, as torch does. Patch the cast so the rounding checks below are meaningful."""
+    if not isinstance(tl.max, interpreter.InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set")
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def patched(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(bits.view(np.uint16), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", patched)
+
+
+def close(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if expected.dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden", [96, 1000])
+def test_rms_norm(dtype, tokens, hidden):
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(hidden, dtype=dtype)
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    residual = torch.randn(tokens, hidden, dtype=dtype)
+    close(fused.rms_norm(x, norm.weight, norm.eps), norm(x))
+    out, new_residual = fused.rms_norm(x, norm.weight, norm.eps, residual)
+    ref_out, ref_residual = norm(x, residual)
+    close(out, ref_out)
+    torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)  # the sum is exact
+    assert torch.equal(residual, residual.clone()) and x.data_ptr() != out.data_ptr()
+
+
+def test_rms_norm_float32_weight_bf16_input():
+    """The output dtype follows torch's promotion (weight * normed)."""
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    close(fused.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rms_norm_strided_heads(dtype, tokens):
+    """q/k norm: per-head norm of a [T, H, D] view into a fused qkv output."""
+    torch.manual_seed(0)
+    heads, head_dim = 3, 48
+    norm = RMSNorm(head_dim, 1e-6).to(dtype)
+    norm.weight.data = torch.randn(head_dim, dtype=dtype)
+    qkv = torch.randn(tokens, heads * head_dim + 2 * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    assert tokens == 1 or not q.is_contiguous()
+    close(fused.rms_norm(q, norm.weight, norm.eps), norm(q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_rotary_strided(dtype, tokens, head_dim):
+    torch.manual_seed(0)
+    hq, hk = 4, 2
+    rope = RotaryEmbedding(head_dim, 512, 10000.0, {"rope_type": "llama3", "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 128})
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, _ = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    q, k = q.view(tokens, hq, head_dim), k.view(tokens, hk, head_dim)
+    positions = torch.randint(0, 512, (tokens,))
+    before = qkv.clone()
+    q_out, k_out = fused.rotary(positions, q, k, rope.cos_sin)
+    q_ref, k_ref = rope(positions, q, k)
+    close(q_out, q_ref)
+    close(k_out, k_ref)
+    assert torch.equal(qkv, before)  # inputs untouched
+
+
+def test_rotary_contiguous_positions_view():
+    """Contiguous q/k and a strided positions tensor."""
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(32, 64, 500000.0)
+    q, k = torch.randn(6, 2, 32), torch.randn(6, 1, 32)
+    positions = torch.arange(12)[::2]
+    q_out, k_out = fused.rotary(positions, q, k, rope.cos_sin)
+    q_ref, k_ref = rope(positions, q, k)
+    close(q_out, q_ref)
+    close(k_out, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("inter", [96, 1500])
+def test_silu_and_mul(dtype, tokens, inter):
+    torch.manual_seed(0)
+    x = torch.randn(tokens, 2 * inter, dtype=dtype) * 3
+    close(fused.silu_and_mul(x), SiluAndMul()(x))
+
+
+def test_empty_batches():
+    w = torch.ones(16)
+    assert fused.rms_norm(torch.empty(0, 16), w, 1e-6).shape == (0, 16)
+    out, s = fused.rms_norm(torch.empty(0, 16), w, 1e-6, torch.empty(0, 16))
+    assert out.shape == s.shape == (0, 16)
+    assert fused.silu_and_mul(torch.empty(0, 32)).shape == (0, 16)
+    q, k = fused.rotary(torch.empty(0, dtype=torch.long), torch.empty(0, 2, 8), torch.empty(0, 1, 8),
+                        torch.randn(4, 8))
+    assert q.shape == (0, 2, 8) and k.shape == (0, 1, 8)

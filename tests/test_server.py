@@ -1,0 +1,333 @@
+"""The OpenAI-compatible server, live on loopback, driven by the real `openai` client.
+
+One in-process server (uvicorn on a thread) serves most tests; a second one, started by
+`tidal serve` in a subprocess with --api-key, covers the CLI, authentication and the
+SIGTERM drain.
+"""
+
+import asyncio
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+from openai import AsyncOpenAI, AuthenticationError, OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tidal import EngineConfig, LLMEngine
+from tidal.server import build_app
+
+MODEL = "tiny-llama"
+API_KEY = "sk-tidal-test"
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@contextmanager
+def uvicorn_thread(app):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=1024))
+    with uvicorn_thread(build_app(engine, MODEL)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def metrics(url) -> dict[str, float]:
+    """Every sample of /metrics, keyed by name{labels}."""
+    text = httpx.get(f"{url}/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def wait_idle(url, timeout=10.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if m["tidal_num_requests_running"] == m["tidal_num_requests_waiting"] == 0 and \
+                m["tidal_kv_cache_free_pages"] == m["tidal_kv_cache_pages"]:
+            return m
+        assert time.monotonic() < deadline, f"server not idle: {m}"
+        time.sleep(0.05)
+
+
+def test_models_and_completion(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=8, **GREEDY)
+    assert out.object == "text_completion" and len(out.choices) == 1
+    assert out.choices[0].finish_reason == "length" and out.choices[0].text
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+
+
+def test_chat_completion(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello world!"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, **GREEDY)
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 6
+    # Text parts are joined into the same template input as a plain string.
+    text_parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world!"}]
+    parts = [messages[0], {"role": "user", "content": text_parts}]
+    again = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=6, **GREEDY)
+    assert again.choices[0].message.content == choice.message.content
+    assert again.usage.prompt_tokens == out.usage.prompt_tokens
+
+
+def test_stream_equals_non_stream(client):
+    full = client.completions.create(model=MODEL, prompt="To be or not", max_tokens=16, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt="To be or not", max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+    messages = [{"role": "user", "content": "It was the best of times"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+
+
+def test_seed_and_n(client):
+    def sample(**kw):
+        return client.completions.create(model=MODEL, prompt="A journey", max_tokens=12, temperature=1.0,
+                                         extra_body={"ignore_eos": True}, **kw)
+
+    first, again = sample(seed=1234), sample(seed=1234)
+    assert first.choices[0].text == again.choices[0].text
+    fanned = sample(seed=1234, n=3)
+    assert [c.index for c in fanned.choices] == [0, 1, 2]
+    # Choice i is the request with seed + i.
+    assert fanned.choices[0].text == first.choices[0].text
+    assert fanned.choices[1].text == sample(seed=1235).choices[0].text
+    assert fanned.usage.completion_tokens == 36 and fanned.usage.prompt_tokens == first.usage.prompt_tokens
+
+    streamed = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                              max_tokens=5, stream=True, **GREEDY)
+    texts = ["", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts[0] == texts[1]  # greedy: both choices agree
+
+
+def test_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and top[token] == logprob and 2 <= len(top) <= 3
+        assert logprob == max(top.values())  # greedy picks the most likely token
+    assert lp.text_offset[0] == 0
+
+    streamed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, logprobs=2, stream=True, **GREEDY)
+    assert [t for c in streamed for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and entry.logprob == tops[0]
+
+
+def test_many_concurrent_streams(server):
+    async def one(client, i):
+        want = 4 + i % 13
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Request number {i} says", max_tokens=want, stream=True,
+            stream_options={"include_usage": True}, **GREEDY)
+        finish, usage = None, None
+        async for chunk in stream:
+            finish = chunk.choices[0].finish_reason if chunk.choices else finish
+            usage = chunk.usage or usage
+        return want, usage.completion_tokens, finish
+
+    async def run_all():
+        async with AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    steps_before = metrics(server)["tidal_steps_total"]
+    results = asyncio.run(run_all())
+    assert all(got == want and finish == "length" for want, got, finish in results)
+    # They ran as one batch: far fewer steps than tokens.
+    assert wait_idle(server)["tidal_steps_total"] - steps_before < sum(want for want, _, _ in results) / 4
+
+
+def test_disconnect_aborts_and_frees_pages(server, client):
+    aborted_before = metrics(server).get("tidal_requests_finished_total{finish_reason=abort}", 0)
+    streams = [client.completions.create(model=MODEL, prompt=f"Long story {i}:", max_tokens=480, stream=True, **GREEDY)
+               for i in range(4)]
+    for stream in streams:
+        next(iter(stream))
+        next(iter(stream))
+        stream.close()
+    m = wait_idle(server)
+    assert m["tidal_requests_finished_total{finish_reason=abort}"] == aborted_before + 4
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", '{"prompt": "hi", ', 400, None),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS)
+def test_bad_request(server, client, path, body, status, param):
+    if isinstance(body, str):  # raw JSON text
+        response = httpx.post(server + path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(server + path, json={"model": MODEL, **body} if "model" not in body else body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    # ... and the server keeps serving.
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=2, **GREEDY).usage.completion_tokens == 2
+
+
+def test_metrics_move(server, client):
+    before = metrics(server)
+    client.completions.create(model=MODEL, prompt="Paged attention", max_tokens=7, **GREEDY)
+    after = wait_idle(server)
+    assert after["tidal_generation_tokens_total"] >= before["tidal_generation_tokens_total"] + 7
+    assert after["tidal_requests_finished_total{finish_reason=length}"] > \
+        before.get("tidal_requests_finished_total{finish_reason=length}", 0)
+    assert after["tidal_time_to_first_token_seconds_count"] == before["tidal_time_to_first_token_seconds_count"] + 1
+    assert after["tidal_time_per_output_token_seconds_count"] > before["tidal_time_per_output_token_seconds_count"]
+    assert after["tidal_spec_draft_tokens_total"] == after["tidal_spec_draft_length_count"] == 0  # no speculation
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_engine_failure_fails_its_requests_and_the_server_recovers(checkpoint):
+    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256))
+    real_step, calls = engine.step, itertools.count()
+    engine.step = lambda: real_step() if next(calls) != 1 else 1 / 0
+    with uvicorn_thread(build_app(engine, MODEL)) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        assert response.status_code == 500 and "ZeroDivisionError" in response.json()["error"]["message"]
+        wait_idle(url)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4, **GREEDY).usage.completion_tokens == 4
+
+
+def test_speculation_metrics(checkpoint):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed", "simulate_acceptance": 0.6}
+    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256,
+                                    speculative_config=spec))
+    engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose, so every decode step drafts
+    with uvicorn_thread(build_app(engine, MODEL)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for i in range(3):
+            client.completions.create(model=MODEL, prompt=f"Speculate {i}", max_tokens=20, **GREEDY)
+        m = wait_idle(url)
+    drafted = m["tidal_spec_draft_tokens_total"]
+    assert drafted > 0 and 0 < m["tidal_spec_accepted_tokens_total"] <= drafted
+    assert 1 < m["tidal_spec_mean_accepted_length"] <= 4
+    assert {f"tidal_spec_acceptance_rate{{position={p}}}" for p in (1, 2, 3)} <= set(m)
+    # The chosen draft lengths add up to the drafted tokens; most steps chose the full K = 3.
+    assert m["tidal_spec_draft_length_sum"] == drafted
+    count = m["tidal_spec_draft_length_count"]
+    assert count - m["tidal_spec_draft_length_bucket{le=2}"] > count / 2
+
+
+# -- `tidal serve` in a subprocess: the CLI, --api-key, and the SIGTERM drain ---------------
+
+@pytest.fixture(scope="module")
+def cli_server(checkpoint):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "tidal", "serve", "--model", checkpoint("llama"), "--dtype", "float32",
+           "--port", str(port), "--api-key", API_KEY, "--served-model-name", MODEL]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"tidal serve did not start:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    yield url, proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_api_key(cli_server):
+    url, _ = cli_server
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+    good = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    assert good.completions.create(model=MODEL, prompt="hi", max_tokens=3, **GREEDY).usage.completion_tokens == 3
+
+
+def test_sigterm_drains_running_requests(cli_server):
+    url, proc = cli_server
+    client = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+    stream = client.completions.create(model=MODEL, prompt="Drain me", max_tokens=300, stream=True,
+                                       stream_options={"include_usage": True}, **GREEDY)
+    chunks = iter(stream)
+    next(chunks)
+    proc.send_signal(signal.SIGTERM)
+    rest = list(chunks)
+    assert rest[-1].usage.completion_tokens == 300  # the running request finished
+    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)

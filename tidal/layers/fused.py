@@ -1,0 +1,175 @@
+"""Fused Triton kernels for the small per-layer ops (used on CUDA only).
+
+At batch 1 a decode step is dominated by launch count, so RMSNorm (+ residual add),
+the rotary embedding and SiluAndMul each run as one kernel here instead of several
+eager torch kernels. Each matches the torch code of its module: same dtype promotion,
+same roundings (e.g. the residual sum is rounded to the input dtype before the norm).
+Grids and outputs depend on shapes only, so all three are CUDA-graph capturable.
+Outputs are fresh contiguous tensors; inputs are never modified.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _num_warps(block: int) -> int:
+    return max(1, min(16, block // 512))
+
+
+# ---------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    sx0, sx1, sx2, sr0, sr1, sr2, so0, so1, ss0, ss1,
+    N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row (i, j) of a [A, B, N] view: out = w * (s * rstd(s)).to(dtype),
+    where s = x (+ residual, rounded to the sum's dtype, also written to sum_ptr)."""
+    i = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + i * sx0 + j * sx1 + offs * sx2, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + i * sr0 + j * sr1 + offs * sr2, mask=mask, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + i * ss0 + j * ss1 + offs, s, mask=mask)
+    else:
+        s = x
+    h = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    h = (h * rstd).to(s.dtype).to(tl.float32)  # torch casts back to x.dtype before scaling
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i * so0 + j * so1 + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    """View t as [A, B, N] without copying when it has at most 3 dims."""
+    if t.dim() == 1:
+        return t.view(1, 1, -1)
+    if t.dim() == 2:
+        return t.unsqueeze(1)
+    if t.dim() == 3:
+        return t
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Same results as RMSNorm.forward: normed, or (normed, x + residual). x may be a
+    strided view (e.g. heads of the fused qkv output, for q/k norm)."""
+    n = x.shape[-1]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype if residual is None
+                                    else torch.promote_types(x.dtype, residual.dtype))
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    x3, o3 = _as_3d(x), _as_3d(out)
+    if residual is not None:
+        s = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        r3, s3 = _as_3d(residual.expand(x.shape)), _as_3d(s)
+    else:
+        s, r3, s3 = None, x3, o3  # unused by the kernel
+    if x.numel() == 0:
+        return out if residual is None else (out, s)
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x3.shape[0], x3.shape[1])](
+        x3, r3, weight, o3, s3,
+        *x3.stride(), *r3.stride(), o3.stride(0), o3.stride(1), s3.stride(0), s3.stride(1),
+        n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out if residual is None else (out, s)
+
+
+# ---------------------------------------------------------------------------- rotary
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, cs_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr,
+    s_pos, s_cs, sq0, sq1, sq2, sk0, sk1, sk2, sqo0, sqo1, sko0, sko1,
+    HQ, HALF, BLOCK: tl.constexpr,
+):
+    """One program per (token, head) over the q heads then the k heads: neox rotation
+    [x1 * cos - x2 * sin, x2 * cos + x1 * sin] in float32, stored in the input dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + t * s_pos).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * s_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if h < HQ:
+        src = q_ptr + t * sq0 + h * sq1 + offs * sq2
+        src2 = src + HALF * sq2
+        dst = qo_ptr + t * sqo0 + h * sqo1 + offs
+    else:
+        hk = h - HQ
+        src = k_ptr + t * sk0 + hk * sk1 + offs * sk2
+        src2 = src + HALF * sk2
+        dst = ko_ptr + t * sko0 + hk * sko1 + offs
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src2, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor):
+    """Same results as RotaryEmbedding.forward: rotated copies of q [T, Hq, D] and
+    k [T, Hk, D] (any strides, same dtype) at `positions` [T], from the [max_pos, D]
+    cos|sin table. Returns contiguous tensors."""
+    assert q.dtype == k.dtype and cos_sin.stride(-1) == 1
+    num_tokens, hq, d = q.shape
+    hk = k.shape[1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = d // 2
+    block = triton.next_power_of_2(half)
+    _rotary_kernel[(num_tokens, hq + hk)](
+        positions, cos_sin, q, k, q_out, k_out,
+        positions.stride(0), cos_sin.stride(0), *q.stride(), *k.stride(),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        hq, half, BLOCK=block, num_warps=_num_warps(block),
+    )
+    return q_out, k_out
+
+
+# ---------------------------------------------------------------------------- SiluAndMul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, sx0, sx1, so0, I, BLOCK: tl.constexpr):
+    """Program (row, block): out = silu(gate).to(dtype) * up, rounded as torch does."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    gate = tl.load(x_ptr + row * sx0 + offs * sx1, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * sx0 + (offs + I) * sx1, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * so0 + offs, out.to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """Same results as SiluAndMul.forward: x [..., 2I] -> silu(x[..., :I]) * x[..., I:]."""
+    inter = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    x2, o2 = x.reshape(-1, x.shape[-1]), out.view(-1, inter)
+    if x2.shape[0] == 0 or inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+        x2, o2, x2.stride(0), x2.stride(1), o2.stride(0), inter,
+        BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out

@@ -1,0 +1,239 @@
+"""What a decode step costs, in seconds, as a function of the K chosen for it.
+
+    step_time = target(B, width) + context_cost * (context - B * context_ref) + proposer(B_d, K_max)
+
+- target: a grid over batch size B and width (query tokens per request), measured at
+  start-up on the real device and interpolated. Without CUDA graphs the width is the
+  mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K).
+- context: attention reads every token of every request's context; `context_ref` is the
+  context per request the grid was measured at.
+- proposer: a fixed cost plus one per draft step (draft models run one forward per
+  position), over the B_d requests that draft.
+
+Each observed decode step corrects the prediction toward what the step really took, in
+two parts: a level per batch size, shared by every width (the engine's own overheads, a
+busier machine: these move all shapes alike), then what is left over to the grid cells
+around the step's shape (what the profile got wrong about that shape). Each is a running
+mean at first, then an exponential average. With no profile the grid starts at zero and
+is learned the same way: an unseen width looks as cheap as the plain step, so the policy
+tries it once and from then on knows its price.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tidal.config import SamplingParams
+from tidal.request import Request
+from tidal.step import StepPlan
+
+PROFILE_WIDTHS = (1, 2, 3, 5, 9, 17)
+GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
+
+
+def bracket(x: float, points: np.ndarray) -> tuple[int, int, float]:
+    """Neighbouring grid indices of x and the weight of the upper one (clamped at the ends)."""
+    hi = int(np.searchsorted(points, x))
+    if hi == 0:
+        return 0, 0, 0.0
+    if hi == len(points):
+        return hi - 1, hi - 1, 0.0
+    lo = hi - 1
+    return lo, hi, float((x - points[lo]) / (points[hi] - points[lo]))
+
+
+class CostModel:
+    def __init__(self, batch_sizes, widths, grid=None, *, padded: bool = False, context_ref: float = 0.0,
+                 context_cost: float = 0.0, draft_fixed=None, draft_step=None, correct_online: bool = True,
+                 rate: float = 0.05, source: str = "given"):
+        self.batch_sizes = np.asarray(batch_sizes, dtype=float)
+        self.widths = np.asarray(widths, dtype=float)
+        shape = (len(self.batch_sizes), len(self.widths))
+        self.grid = np.zeros(shape) if grid is None else np.array(grid, dtype=float)
+        # Observations behind each cell; a measured cell counts as one.
+        self.weight = np.zeros(shape) if grid is None else np.ones(shape)
+        self.level = np.zeros(shape[0])
+        self.level_weight = np.zeros(shape[0])
+        self.padded = padded
+        self.context_ref = context_ref
+        self.context_cost = context_cost
+        zeros = np.zeros(len(self.batch_sizes))
+        self.draft_fixed = zeros if draft_fixed is None else np.asarray(draft_fixed, dtype=float)
+        self.draft_step = zeros if draft_step is None else np.asarray(draft_step, dtype=float)
+        self.correct_online = correct_online
+        self.rate = rate
+        self.source = source
+
+    @classmethod
+    def from_function(cls, fn: Callable[[int, int], float], batch_sizes, widths, **kwargs) -> "CostModel":
+        """A grid filled from fn(batch size, width) seconds (tests, simulations)."""
+        grid = [[fn(b, w) for w in widths] for b in batch_sizes]
+        return cls(batch_sizes, widths, grid, **kwargs)
+
+    def _width(self, batch, num_drafts, max_draft):
+        return 1 + max_draft if self.padded else 1 + num_drafts / batch
+
+    def step_time(self, batch: int, num_drafts, max_draft, num_drafting, context: float):
+        """Seconds for a decode step of `batch` requests with `num_drafts` drafts in all, the
+        longest `max_draft`, drafted by `num_drafting` requests; `context` is the sum of the
+        requests' lengths before this step. Array arguments give one time per candidate."""
+        num_drafts = np.asarray(num_drafts, dtype=float)
+        max_draft = np.asarray(max_draft, dtype=float)
+        lo, hi, f = bracket(batch, self.batch_sizes)
+        row = (1 - f) * (self.grid[lo] + self.level[lo]) + f * (self.grid[hi] + self.level[hi])
+        target = np.interp(self._width(batch, num_drafts, max_draft), self.widths, row)
+        attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
+        drafting = (np.interp(num_drafting, self.batch_sizes, self.draft_fixed)
+                    + max_draft * np.interp(num_drafting, self.batch_sizes, self.draft_step))
+        return np.maximum(target + attention + np.where(np.asarray(num_drafting) > 0, drafting, 0.0), 1e-6)
+
+    def token_cost(self) -> float:
+        """Seconds per token of the largest shape on the grid: what a token costs in a full,
+        compute-bound step."""
+        return float((self.grid[-1, -1] + self.level[-1]) / (self.batch_sizes[-1] * self.widths[-1]))
+
+    def observe(self, batch: int, num_drafts: int, max_draft: int, num_drafting: int, context: float,
+                seconds: float) -> float:
+        """Correct the model by this step's prediction error; returns the prediction."""
+        predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context))
+        if not self.correct_online:
+            return predicted
+        b0, b1, f = bracket(batch, self.batch_sizes)
+        w0, w1, g = bracket(self._width(batch, num_drafts, max_draft), self.widths)
+        error = seconds - predicted
+        if self.level_weight[b0] > 0 and self.level_weight[b1] > 0:
+            error = min(error, predicted)  # one slow step (a pause, a page fault) at most doubles the belief
+        error -= self._learn(self.level, self.level_weight, ((b0, 1 - f), (b1, f)), error)
+        cells = (((b0, w0), (1 - f) * (1 - g)), ((b0, w1), (1 - f) * g), ((b1, w0), f * (1 - g)), ((b1, w1), f * g))
+        self._learn(self.grid, self.weight, cells, error)
+        return predicted
+
+    def _learn(self, values, weights, targets, error) -> float:
+        """Move the interpolated targets toward `error`; returns how far the prediction moved."""
+        moved = 0.0
+        for index, w in targets:
+            if w > 0:
+                weights[index] += w
+                step = w * max(1 / weights[index], self.rate)
+                values[index] += step * error
+                moved += w * step * error
+        return moved
+
+
+# -- start-up profiling ---------------------------------------------------------------------
+
+def grid_axes(max_batch: int, max_draft_len: int) -> tuple[list[int], list[int]]:
+    """Batch sizes 1, 2, 4 .. max_batch; widths 1, 2, 3, 5, 9, 17 up to 1 + max_draft_len."""
+    batch_sizes = sorted({min(2 ** i, max_batch) for i in range(max_batch.bit_length() + 1)})
+    widths = sorted({w for w in PROFILE_WIDTHS if w <= max_draft_len} | {1, max_draft_len + 1})
+    return batch_sizes, widths
+
+
+def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len: int,
+            seconds: float) -> CostModel:
+    """Time real steps (runner.execute, proposer.propose) on dummy requests, smallest shapes
+    first, until `seconds` are spent; shapes left over are extrapolated in proportion to
+    their tokens (the compute-bound guess, right for shapes that are slow to run).
+
+    Runs before the engine serves anything: the page pool is empty, so the dummy requests
+    may use any page, and what they write is overwritten before it is ever read."""
+    start = time.perf_counter()
+    batch_sizes, widths = grid_axes(max_batch, max_draft_len)
+    ctx = runner.page_size
+
+    def run_target(b, w, context=ctx):
+        plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
+        drafts = [[0] * (w - 1) for _ in range(b)]
+        return timed(lambda: runner.execute(plan, drafts), runner.device)
+
+    def run_proposer(b, k):
+        plan = dummy_plan(b, ctx, k, runner.num_pages, runner.page_size)
+
+        def propose():
+            for r in plan.requests:
+                r.num_absorbed = ctx - 1
+            proposer.propose(plan, list(range(b)))
+        return timed(propose, runner.device)
+
+    # Context cost first (it is cheap, and no grid point can stand in for it): the same
+    # small batch at a short and a long context.
+    b_ctx = min(8, max_batch)
+    ctx_long = min(2048, max_model_len - widths[-1] - 1, (runner.num_pages - 1) // b_ctx * ctx - widths[-1])
+    context_cost = 0.0
+    if ctx_long > 2 * ctx:
+        short, long = run_target(b_ctx, 1), run_target(b_ctx, 1, ctx_long)
+        context_cost = max(0.0, (long - short) / (b_ctx * (ctx_long - ctx)))
+    grid = np.full((len(batch_sizes), len(widths)), np.nan)
+    draft_ks = sorted({1, max_draft_len})
+    drafts = np.full((len(batch_sizes), len(draft_ks)), np.nan)
+    jobs = sorted([(b * w, 0, i, j) for i, b in enumerate(batch_sizes) for j, w in enumerate(widths)]
+                  + [(b * k, 1, i, j) for i, b in enumerate(batch_sizes) for j, k in enumerate(draft_ks)])
+    deadline = start + seconds
+    for _, kind, i, j in jobs:
+        if time.perf_counter() > deadline and (i, j) != (0, 0):  # the smallest shapes always run
+            continue
+        if kind == 0:
+            grid[i, j] = run_target(batch_sizes[i], widths[j])
+        else:
+            drafts[i, j] = run_proposer(batch_sizes[i], draft_ks[j])
+    measured = int(np.isfinite(grid).sum() + np.isfinite(drafts).sum())
+    grid = monotone(fill_by_tokens(grid, batch_sizes, widths))
+    drafts = monotone(fill_by_tokens(drafts, batch_sizes, draft_ks))
+    first, last = drafts[:, 0], drafts[:, -1]
+    step = (last - first) / (draft_ks[-1] - 1) if len(draft_ks) > 1 else first
+    step = np.maximum(step, 0.0)
+    fixed = np.maximum(first - step, 0.0)
+    return CostModel(batch_sizes, widths, grid, padded=getattr(runner, "graphs", None) is not None,
+                     context_ref=ctx, context_cost=context_cost, draft_fixed=fixed, draft_step=step,
+                     source=f"profile: {measured} shapes in {time.perf_counter() - start:.2f} s")
+
+
+def fill_by_tokens(table: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
+    """Give each unmeasured cell the largest measured cell it contains, scaled by tokens."""
+    for i in range(len(rows)):
+        for j in range(len(cols)):
+            if np.isfinite(table[i, j]):
+                continue
+            inside = [(rows[a] * cols[c], a, c) for a in range(i + 1) for c in range(j + 1) if np.isfinite(table[a, c])]
+            tokens, a, c = max(inside)
+            table[i, j] = table[a, c] * rows[i] * cols[j] / tokens
+    return table
+
+
+def monotone(table: np.ndarray) -> np.ndarray:
+    """No shape costs more than a larger one: timing noise only ever adds time."""
+    table = np.minimum.accumulate(table[::-1], axis=0)[::-1]
+    return np.minimum.accumulate(table[:, ::-1], axis=1)[:, ::-1]
+
+
+def dummy_plan(batch: int, context: int, k: int, num_pages: int, page_size: int) -> StepPlan:
+    """`batch` requests of `context` computed tokens, each decoding one token plus k drafts."""
+    pages = -(-(context + 1 + k) // page_size)
+    reqs = []
+    for i in range(batch):
+        req = Request(f"profile-{i}", None, [0] * (context + 1), GREEDY, 0, ())
+        req.num_computed = context
+        req.pages = [1 + (i * pages + p) % (num_pages - 1) for p in range(pages)]
+        reqs.append(req)
+    return StepPlan(reqs, [1] * batch, [k] * batch)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Fastest of `repeats` runs after a warm-up: interference only ever adds time."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return min(times)
