@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_fastpath import LLAMA_8B, SMOKE, greedy, random_prompts, release, write_eagle_dir, write_model_dir
+from gpu_fastpath import LLAMA_8B, SMOKE, greedy, random_prompts, free_memory, write_eagle_dir, write_model_dir
 from tidal import LLM
 from tidal.spec.policy import Fixed, Off
 
@@ -60,8 +60,9 @@ def main():
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
             goodput = llm.engine.scheduler.policy
             policies = {"off": Off(), "fixed:1": Fixed(1), "fixed:2": Fixed(2), "fixed:4": Fixed(4), "goodput": goodput}
-            llm.engine.scheduler.policy = Off()
-            throughput(llm, (1, 4), 16, 8, shape["vocab_size"])  # warm up
+            for warm in (Fixed(4), Off()):  # compile every kernel shape before timing
+                llm.engine.scheduler.policy = warm
+                throughput(llm, bursty, prompt_len, 16, shape["vocab_size"])
             for name, policy in policies.items():
                 llm.engine.scheduler.policy = policy
                 for c in levels:
@@ -72,7 +73,8 @@ def main():
                 results["runs"][f"a={acc} {name} bursty"] = r
                 print(f"a={acc} {name:8} bursty {r['tok_s']:9.0f} tok/s", flush=True)
             results[f"policy_stats a={acc}"] = llm.engine.stats().get("policy")
-            release(llm)
+            del llm, goodput, policies
+            free_memory()
 
     table = []
     for acc in (0.6, 0.8):

@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 endpoints")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.set_defaults(func=cmd_serve)
+    from tidal.bench.commands import add_bench_parser
+
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

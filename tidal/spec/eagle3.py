@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from tidal.batch import ForwardBatch
-from tidal.layers.sampler import STREAM_DRAFT, SamplingTensors, processed_probs, sample_from_probs
 from tidal.models.config import ModelConfig
 from tidal.models.eagle3 import Eagle3Config, load_eagle3
 from tidal.models.loader import default_aux_layer_ids
-from tidal.step import StepPlan
+from tidal.spec.proposer import ChainDrafter
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(ChainDrafter):
     def __init__(self, model_dir: str, runner, target_config: ModelConfig):
         self.config = Eagle3Config.from_pretrained(model_dir, target_config)
         self.runner = runner
@@ -38,43 +36,27 @@ class Eagle3Proposer:
     def allocate_cache(self) -> None:
         self.kv_cache, = self.runner.allocate_kv(self.config.model, self.runner.num_pages)
 
-    @torch.inference_mode()
-    def propose(self, plan: StepPlan, rows: list[int]):
-        reqs = [plan.requests[i] for i in rows]
-        ks = [plan.draft_lens[i] for i in rows]
-        device, ps = self.runner.device, self.runner.page_size
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], device)
-        counters = torch.tensor([r.num_output_tokens for r in reqs], device=device)
-        probs = torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
-        rows_t = torch.tensor(rows, device=device)
+    def catch_up(self, reqs):
+        # Positions num_absorbed .. n - 2 take token p + 1 and the target's state at p.
+        ps = self.runner.page_size
+        slots = [r.pages[p // ps] * ps + p % ps for r in reqs for p in range(r.num_absorbed, r.num_tokens - 1)]
+        state = self.runner.aux_cache[torch.tensor(slots, device=self.runner.device)]
+        return [r.token_ids[r.num_absorbed + 1:] for r in reqs], [r.num_absorbed for r in reqs], state
 
-        # Catch up: positions num_absorbed .. n - 2 take token p + 1 and the target's state at p.
-        starts = [r.num_absorbed for r in reqs]
-        feeds = [r.token_ids[s + 1:] for r, s in zip(reqs, starts)]
-        slots = [[r.pages[p // ps] * ps + p % ps for p in range(s, r.num_tokens - 1)] for r, s in zip(reqs, starts)]
-        hidden_in = self.runner.aux_cache[torch.tensor([x for row in slots for x in row], device=device)]
-        tokens, state = self._step(feeds, starts, hidden_in, reqs, st, counters, probs, rows_t, 0)
-        drafts = [[t] for t in tokens]
-        for j in range(1, max(ks)):
-            live = [b for b, k in enumerate(ks) if k > j]
-            sub = [reqs[b] for b in live]
-            tokens, state[live] = self._step([[drafts[b][-1]] for b in live], [r.num_tokens + j - 2 for r in sub],
-                                             state[live], sub, st.select(live), counters[live] + j, probs,
-                                             rows_t[live], j)
-            for b, t in zip(live, tokens):
-                drafts[b].append(t)
-        for r in reqs:
-            r.num_absorbed = r.num_tokens - 1
-        return drafts, probs
+    def next_position(self, req, j):
+        return req.num_tokens + j - 2
 
-    def _step(self, feeds, starts, hidden_in, reqs, st, counters, probs, rows_t, j):
-        """One head forward; returns each row's draft token (target ids) and the head's
-        output state at each row's last position."""
-        batch = ForwardBatch.build(feeds, starts, [r.pages for r in reqs], self.runner.page_size, self.runner.device)
-        prenorm = self.head(batch.input_ids, hidden_in, batch.positions, batch, self.kv_cache)
+    def forward(self, batch, state):
+        prenorm = self.head(batch.input_ids, state, batch.positions, batch, self.kv_cache)
         last = prenorm[batch.query_start_loc[1:].long() - 1]
-        logits = self.head.compute_logits(last)
-        q = processed_probs(logits, st)
-        probs[rows_t[:, None], j, self.draft_ids[None, :]] = q
-        tokens = self.draft_ids[sample_from_probs(q, st.seeds, counters, STREAM_DRAFT)]
-        return tokens.tolist(), last
+        return self.head.compute_logits(last), last
+
+    def to_target(self, ids):
+        return self.draft_ids[ids]
+
+    def scatter(self, probs, rows, j, q):
+        probs[rows[:, None], j, self.draft_ids[None, :]] = q
+
+    def absorbed(self, req, k):
+        # Draft positions were built from the head's own states, not the target's.
+        return req.num_tokens - 1

