@@ -37,6 +37,9 @@ class LLMEngine:
         self.runner.allocate_cache(self.proposer.bytes_per_page if self.proposer else 0)
         if self.proposer:
             self.proposer.allocate_cache()
+        self.runner.warmup()
+        if self.proposer:
+            self.proposer.warmup()
         self.pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,

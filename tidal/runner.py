@@ -13,6 +13,7 @@ from tidal.attention import get_backend
 from tidal.batch import ForwardBatch
 from tidal.config import DTYPES, EngineConfig
 from tidal.graphs import CudaGraphs
+from tidal.kv_cache import NULL_PAGE
 from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
@@ -64,6 +65,32 @@ class ModelRunner:
                                      self.config.max_num_seqs, 1 + (spec.num_speculative_tokens if spec else 0),
                                      self.device)
             self.graphs.capture()
+
+    # Shapes (requests, query tokens each, cached context) that reach every Triton kernel
+    # variant eager steps use: decode, verification, chunked extend and prefill, with and
+    # without split-KV, and token counts of each divisibility class Triton specialises on.
+    WARMUP_SHAPES = ((1, 1, 0), (1, 1, 700), (3, 1, 40), (1, 5, 40), (3, 5, 700), (2, 7, 0), (1, 16, 0),
+                     (4, 64, 300), (1, 300, 0), (1, 300, 900))
+
+    def warmup_batches(self, max_tokens: int):
+        """Dummy ForwardBatches of WARMUP_SHAPES (plus one full token budget) that read and
+        write only the null page, so they can run on a live cache."""
+        ps = self.page_size
+        for n, q, ctx in self.WARMUP_SHAPES + ((1, max_tokens, 0),):
+            if ctx + q > self.max_model_len or n * q > max_tokens:
+                continue
+            pages = [[NULL_PAGE] * (-(-(ctx + q) // ps))] * n
+            yield ForwardBatch.build([[0] * q] * n, [ctx] * n, pages, ps, self.device)
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the eager path's Triton kernels now rather than in a user's step (the
+        graphs cover plain decodes and verification; prefills and drafters run eagerly)."""
+        if self.device.type != "cuda":
+            return
+        for batch in self.warmup_batches(self.config.max_num_batched_tokens):
+            self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+        torch.cuda.synchronize(self.device)
 
     def kv_bytes_per_page(self, mc: ModelConfig) -> int:
         return 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize

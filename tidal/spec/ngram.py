@@ -16,6 +16,9 @@ class NgramProposer:
     def allocate_cache(self) -> None:
         pass
 
+    def warmup(self) -> None:
+        pass
+
     def propose(self, plan: StepPlan, rows: list[int]):
         return [self.lookup(plan.requests[i].token_ids, plan.draft_lens[i]) for i in rows], None
 

@@ -30,6 +30,10 @@ class Proposer(Protocol):
         """Allocate its cache once the runner has sized the page pool."""
         ...
 
+    def warmup(self) -> None:
+        """Compile what it runs (GPU kernels) before the first request."""
+        ...
+
     def propose(self, plan: StepPlan, rows: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         ...
 
@@ -54,8 +58,22 @@ class ChainDrafter(ABC):
     def forward(self, batch: ForwardBatch, state: torch.Tensor | None):
         """Logits [rows, V_draft] at each row's last token, and its output state."""
 
+    def dummy_state(self, num_tokens: int, catching_up: bool) -> torch.Tensor | None:
+        """An input state of the right shape for warm-up forwards."""
+        return None
+
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the drafter's Triton kernels for catch-up and draft shapes at start-up."""
+        if self.runner.device.type != "cuda":
+            return
+        for batch in self.runner.warmup_batches(self.runner.config.max_num_batched_tokens):
+            for catching_up in (True, False):
+                self.forward(batch, self.dummy_state(batch.num_tokens, catching_up))
+        torch.cuda.synchronize(self.runner.device)
 
     def scatter(self, probs: torch.Tensor, rows: torch.Tensor, j: int, q: torch.Tensor) -> None:
         probs[rows, j] = q
