@@ -8,7 +8,8 @@ with probability a, whatever its value), so the numbers measure cost, not drafti
 Each concurrency level c runs c requests of 128 prompt + 128 output tokens at once
 (offline, in-process). The bursty load alternates phases of 1 and 128 concurrent requests.
 All policies of one acceptance level share one engine (the policy object is swapped), so
-ratios compare like with like. Writes $OUT/policy_sweep.json; prints a table last.
+ratios compare like with like. Writes $OUT/policy_sweep.json and goodput's decision log per acceptance level
+($OUT/decisions_a*.jsonl: one JSON line per step); prints a table last.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def main():
         model_dir, eagle_dir = write_model_dir(Path(tmp), shape), write_eagle_dir(Path(tmp), shape)
         for acc in (0.6, 0.8):
             sc = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4,
-                  "policy": "goodput", "simulate_acceptance": acc}
+                  "policy": "goodput", "simulate_acceptance": acc,
+                  "decision_log": str(out_dir / f"decisions_a{acc}.jsonl")}
             llm = LLM(model=str(model_dir), speculative_config=sc, device=device, load_format="dummy",
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=1024,
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
