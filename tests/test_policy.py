@@ -124,6 +124,17 @@ def test_probe_refreshes_a_request_stuck_at_zero():
     assert k == K
 
 
+def test_no_probes_where_verification_is_expensive():
+    # CUDA graphs pad every row to the widest: a probe makes the whole step twice as long.
+    padded = CostModel.from_function(lambda b, w: 1e-4 * b * w, *grid_axes(256, K), padded=True,
+                                     correct_online=False)
+    policy, rng = Goodput(padded, K, probe_interval=4), random.Random(0)
+    reqs = make_requests(64)
+    for _ in range(40):
+        assert sum(step(policy, reqs, [0.9] * 64, rng)) == 0
+    assert policy.num_probes == 0
+
+
 def test_waiting_prompts_make_drafts_cost_more():
     reqs = make_requests(16)
     free = Goodput(roofline(256), K).choose(reqs, [K] * 16, 0)
@@ -137,17 +148,6 @@ def test_kv_headroom_caps_drafts():
 
     ks = Goodput(nearly_free(), K, pool=Pool()).choose(make_requests(16), [K] * 16, 0)
     assert 0 < sum(ks) <= 5 * 4 - 16
-
-
-def test_choose_is_cheap_at_256_requests():
-    policy = Goodput(roofline(1024, 16), 16)
-    reqs = make_requests(256)
-    times = []
-    for _ in range(30):
-        start = time.perf_counter()
-        policy.choose(reqs, [16] * 256, 0)
-        times.append(time.perf_counter() - start)
-    assert statistics.median(times) < 0.010
 
 
 # -- models ---------------------------------------------------------------------------------

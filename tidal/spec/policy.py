@@ -94,14 +94,17 @@ class Goodput:
     K = 0 for everyone is the first candidate of the first family. The previous decision
     is kept unless the new one is better by `hysteresis`, and a request that has not
     drafted for `probe_interval` steps drafts one token now and then, so that its
-    acceptance estimate does not stay stale where it was left.
+    acceptance estimate does not stay stale where it was left: when the drafter runs
+    anyway, or when one more token per request adds at most `probe_overhead` to the step
+    (never at a load where K = 0 is chosen because verification is expensive).
     """
 
     name = "goodput"
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
                  demand: Callable[[int], int] | None = None, hysteresis: float = 0.03,
-                 probe_interval: int = 32, max_probes: int = 4, decision_log: str | None = None):
+                 probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.3,
+                 decision_log: str | None = None):
         self.cost = cost
         self.acceptance = AcceptanceModel(max_draft_len)
         self.token_budget = token_budget
@@ -110,6 +113,7 @@ class Goodput:
         self.hysteresis = hysteresis
         self.probe_interval = probe_interval
         self.max_probes = max_probes
+        self.probe_overhead = probe_overhead  # most a probe may add to a step (once per probe_interval)
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.requested: dict[Request, int] = {}  # this step's decision with probes (what observe compares to)
@@ -146,7 +150,12 @@ class Goodput:
                 if rate < kept * (1 + self.hysteresis):
                     ks, rate, held = previous, kept, True
         self.previous = dict(zip(requests, ks.tolist()))
-        ks, probes = self._probe(ks, limit, rows, cap)
+        # Probes cost drafts, a drafter run and (with CUDA graphs) a wider step for everyone:
+        # only where that is cheap.
+        n = min(self.max_probes, int(np.count_nonzero(self.acceptance.age[rows] >= self.probe_interval)))
+        cheap = (ks.any() or self.cost.step_time(b, n, 1, n, context)
+                 <= (1 + self.probe_overhead) * self.cost.step_time(b, 0, 0, 0, context))
+        ks, probes = self._probe(ks, limit, rows, cap) if cheap else (ks, [])
         self.requested = dict(zip(requests, ks.tolist()))
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
