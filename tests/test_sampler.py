@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from tidal.config import SamplingParams
+from stats import chi_square_pvalue
 from tidal.layers.sampler import (
     STREAM_SAMPLE,
     SamplingTensors,
@@ -14,17 +15,6 @@ from tidal.layers.sampler import (
 )
 
 ALPHA = 1e-3  # significance level of every chi-square test below
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of observed counts against expected probabilities (cells with p > 0);
-    the chi-square survival function is the regularised upper incomplete gamma."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    keep = probs > 0
-    expected = probs[keep] / probs[keep].sum() * counts.sum()
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    dof = torch.tensor(keep.sum().item() - 1, dtype=torch.float64)
-    return torch.special.gammaincc(dof / 2, stat / 2).item()
 
 
 def build(params, seeds=None):

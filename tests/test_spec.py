@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import tidal.runner
 from checkpoints import make_eagle3_checkpoint
+from stats import homogeneity_pvalue
 from tidal import LLM, SamplingParams
 from tidal.spec.policy import NoFeedback
 from tidal.spec.verify import verify as real_verify
@@ -183,24 +184,6 @@ def test_simulated_acceptance(models):
     assert all(abs(r - a) < 0.1 for r in spec["acceptance_per_position"][:1])
 
 
-def chi_square_homogeneity(a: dict, b: dict) -> tuple[float, int]:
-    """Two-sample chi-square statistic and degrees of freedom over the union of outcomes."""
-    keys = sorted(set(a) | set(b))
-    na, nb = sum(a.values()), sum(b.values())
-    stat = 0.0
-    for key in keys:
-        total = a.get(key, 0) + b.get(key, 0)
-        for count, n in ((a.get(key, 0), na), (b.get(key, 0), nb)):
-            expected = total * n / (na + nb)
-            stat += (count - expected) ** 2 / expected
-    return stat, len(keys) - 1
-
-
-def chi_square_p_value(stat: float, dof: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def continuation_counts(llm, n=800):
     """Distribution of 3-token continuations of one prompt over n seeds (top_k=3: <= 27
     outcomes; the 2nd and 3rd tokens come from verified drafts)."""
@@ -222,8 +205,7 @@ def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monk
                speculative_config=spec_config(models, "draft_model", 2))
     drafted = continuation_counts(spec)
     assert spec.engine.stats()["spec"]["num_drafted"] > 0
-    stat, dof = chi_square_homogeneity(target, drafted)
-    assert chi_square_p_value(stat, dof) > ALPHA, (target, drafted)
+    assert homogeneity_pvalue(target, drafted) > ALPHA, (target, drafted)
 
     # Control: a verifier that accepts every draft samples the drafter's distribution.
     def accept_all(*args, **kwargs):
@@ -232,8 +214,7 @@ def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monk
 
     monkeypatch.setattr(tidal.runner, "verify", accept_all)
     wrong = continuation_counts(spec)
-    stat, dof = chi_square_homogeneity(target, wrong)
-    assert chi_square_p_value(stat, dof) < ALPHA
+    assert homogeneity_pvalue(target, wrong) < ALPHA
 
 
 def test_bad_speculative_configs(models, tmp_path):

@@ -5,19 +5,10 @@ import tidal.spec.verify as verify_module
 from tidal.config import SamplingParams
 from tidal.layers.sampler import SamplingTensors, processed_probs, sample
 from tidal.spec.verify import verify
+from stats import chi_square_pvalue
 
 ALPHA = 1e-3  # significance level of every chi-square test below
 N = 20_000    # rows (independent seeds) per statistical test
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P-value of observed counts against expected probabilities (cells with p > 0)."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    keep = probs > 0
-    expected = probs[keep] / probs[keep].sum() * counts.sum()
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    dof = torch.tensor(keep.sum().item() - 1, dtype=torch.float64)
-    return torch.special.gammaincc(dof / 2, stat / 2).item()
 
 
 def greedy_st(n):
