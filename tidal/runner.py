@@ -61,9 +61,10 @@ class ModelRunner:
                                          device=self.device)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             spec = self.config.speculative_config
-            self.graphs = CudaGraphs(self.model, self.kv_caches, self.page_size, self.max_model_len,
-                                     self.config.max_num_seqs, 1 + (spec.num_speculative_tokens if spec else 0),
-                                     self.device)
+            self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch.positions, batch,
+                                                                     self.kv_caches),
+                                     self.page_size, self.max_model_len, self.config.max_num_seqs,
+                                     1 + (spec.num_speculative_tokens if spec else 0), self.device)
             self.graphs.capture()
 
     # Shapes (requests, query tokens each, cached context) that reach every Triton kernel
@@ -85,7 +86,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Compile the eager path's Triton kernels now rather than in a user's step (the
-        graphs cover plain decodes and verification; prefills and drafters run eagerly)."""
+        graphs cover plain decodes and verification; prefills and long catch-ups run eagerly)."""
         if self.device.type != "cuda":
             return
         for batch in self.warmup_batches(self.config.max_num_batched_tokens):

@@ -51,9 +51,8 @@ class Eagle3Proposer(ChainDrafter):
         last = prenorm[batch.query_start_loc[1:].long() - 1]
         return self.head.compute_logits(last), last
 
-    def dummy_state(self, num_tokens, catching_up):
-        width = self.runner.aux_cache.shape[1] if catching_up else self.config.model.hidden_size
-        return torch.zeros(num_tokens, width, dtype=self.runner.dtype, device=self.runner.device)
+    def state_width(self, catching_up):
+        return self.runner.aux_cache.shape[1] if catching_up else self.config.model.hidden_size
 
     def to_target(self, ids):
         return self.draft_ids[ids]

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from tidal.batch import ForwardBatch
+from tidal.graphs import CudaGraphs
 from tidal.layers.sampler import STREAM_DRAFT, SamplingTensors, processed_probs, sample_from_probs
 from tidal.step import StepPlan
 
@@ -45,6 +46,8 @@ class ChainDrafter(ABC):
 
     runner = None      # the target's ModelRunner (device, page size, pages)
     vocab_size = 0     # the target's vocabulary
+    catch_up_graphs: CudaGraphs | None = None
+    draft_graphs: CudaGraphs | None = None
 
     @abstractmethod
     def catch_up(self, reqs) -> tuple[list[list[int]], list[int], torch.Tensor | None]:
@@ -58,22 +61,40 @@ class ChainDrafter(ABC):
     def forward(self, batch: ForwardBatch, state: torch.Tensor | None):
         """Logits [rows, V_draft] at each row's last token, and its output state."""
 
+    def state_width(self, catching_up: bool) -> int:
+        """Width of the input state a forward takes (0: none)."""
+        return 0
+
     def dummy_state(self, num_tokens: int, catching_up: bool) -> torch.Tensor | None:
-        """An input state of the right shape for warm-up forwards."""
-        return None
+        width = self.state_width(catching_up)
+        return torch.zeros(num_tokens, width, dtype=self.runner.dtype, device=self.runner.device) if width else None
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile the drafter's Triton kernels for catch-up and draft shapes at start-up."""
-        if self.runner.device.type != "cuda":
+        """Compile the drafter's Triton kernels for eager catch-up shapes, then capture its
+        graphs, at start-up."""
+        runner = self.runner
+        if runner.device.type != "cuda":
             return
-        for batch in self.runner.warmup_batches(self.runner.config.max_num_batched_tokens):
+        for batch in runner.warmup_batches(runner.config.max_num_batched_tokens):
             for catching_up in (True, False):
                 self.forward(batch, self.dummy_state(batch.num_tokens, catching_up))
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(runner.device)
+        if not runner.config.enforce_eager:
+            self.catch_up_graphs = self._capture(runner.config.speculative_config.num_speculative_tokens + 1, True)
+            self.draft_graphs = self._capture(1, False)
+
+    def _capture(self, width: int, catching_up: bool) -> CudaGraphs:
+        """Graphs for catch-ups of up to K + 1 tokens per request (what follows a verify
+        step; longer ones run eagerly) or for the one-token draft steps."""
+        runner = self.runner
+        graphs = CudaGraphs(self.forward, runner.page_size, runner.max_model_len, runner.config.max_num_seqs,
+                            width, runner.device, self.state_width(catching_up), runner.dtype, per_row=True)
+        graphs.capture()
+        return graphs
 
     def scatter(self, probs: torch.Tensor, rows: torch.Tensor, j: int, q: torch.Tensor) -> None:
         probs[rows, j] = q
@@ -95,20 +116,29 @@ class ChainDrafter(ABC):
         pages = [r.pages for r in reqs]
 
         feeds, starts, state = self.catch_up(reqs)
-        logits, state = self.forward(ForwardBatch.build(feeds, starts, pages, ps, device), state)
+        logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state)
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
         for j in range(1, max(ks)):
             live = [b for b, k in enumerate(ks) if k > j]
-            batch = ForwardBatch.build([[0]] * len(live), [self.next_position(reqs[b], j) for b in live],
-                                       [pages[b] for b in live], ps, device)
-            batch.input_ids.copy_(tokens[live, j - 1])
-            logits, out = self.forward(batch, None if state is None else state[live])
+            logits, out = self._run(self.draft_graphs, [[0]] * len(live),
+                                    [self.next_position(reqs[b], j) for b in live], [pages[b] for b in live],
+                                    None if state is None else state[live], tokens[live, j - 1])
             if state is not None:
                 state[live] = out
             tokens[live, j] = self._sample(logits, st.select(live), counters[live] + j, probs, rows_t[live], j)
         for r, k in zip(reqs, ks):
             r.num_absorbed = self.absorbed(r, k)
         return [row[:k] for row, k in zip(tokens.tolist(), ks)], probs
+
+    def _run(self, graphs, feeds, starts, pages, state, input_ids=None):
+        """One forward, replayed from a graph when one fits."""
+        width = max(len(f) for f in feeds)
+        if graphs is not None and graphs.fits(len(feeds), width):
+            return graphs.run(feeds, starts, pages, width, state, input_ids)[0]
+        batch = ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device)
+        if input_ids is not None:
+            batch.input_ids.copy_(input_ids)
+        return self.forward(batch, state)
 
     def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
         if st.all_greedy:
