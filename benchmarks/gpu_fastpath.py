@@ -121,6 +121,22 @@ def check_correctness(device, results):
                                             "pages_free": stats["num_free_pages"] == stats["num_pages"]}
             del llm
             free_memory()
+        # Speculation (drafter graphs included) must not change greedy tokens.
+        from checkpoints import make_eagle3_checkpoint
+        from test_spec import truncated_drafter
+        drafters = {"draft_model": truncated_drafter(model_dir, Path(tmp) / "draft", 2),
+                    "eagle3": str(make_eagle3_checkpoint(Path(tmp) / "eagle3", model_dir))}
+        for method, path in drafters.items():
+            sc = {"method": method, "model": path, "num_speculative_tokens": 3, "policy": "fixed"}
+            llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, num_pages=512,
+                      speculative_config=sc)
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
+            stats = llm.engine.stats()
+            results["correctness"][f"speculative {method}"] = {
+                "equal_to_transformers": got == want, "pages_free": stats["num_free_pages"] == stats["num_pages"],
+                "accepted": stats["spec"]["num_accepted"], "drafted": stats["spec"]["num_drafted"]}
+            del llm
+            free_memory()
 
 
 def scheduler_overhead(llm, prompts, new_tokens):
