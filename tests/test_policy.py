@@ -124,15 +124,20 @@ def test_probe_refreshes_a_request_stuck_at_zero():
     assert k == K
 
 
-def test_no_probes_where_verification_is_expensive():
+def test_probes_are_rarer_where_verification_is_expensive():
     # CUDA graphs pad every row to the widest: a probe makes the whole step twice as long.
     padded = CostModel.from_function(lambda b, w: 1e-4 * b * w, *grid_axes(256, K), padded=True,
                                      correct_online=False)
-    policy, rng = Goodput(padded, K, probe_interval=4), random.Random(0)
-    reqs = make_requests(64)
-    for _ in range(40):
-        assert sum(step(policy, reqs, [0.9] * 64, rng)) == 0
-    assert policy.num_probes == 0
+    cheap = CostModel.from_function(lambda b, w: 0.010 + 3e-5 * b * w, *grid_axes(256, K), padded=True,
+                                    correct_online=False)
+    probes = []
+    for cost in (padded, cheap):
+        policy, rng = Goodput(cost, K, probe_interval=4), random.Random(0)
+        reqs = make_requests(64)
+        for _ in range(40):
+            step(policy, reqs, [0.0] * 64, rng)  # nothing is ever accepted: K = 0 but for probes
+        probes.append(policy.num_probes)
+    assert 0 < probes[0] < probes[1]
 
 
 def test_waiting_prompts_make_drafts_cost_more():

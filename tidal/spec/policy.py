@@ -95,15 +95,15 @@ class Goodput:
     is kept unless the new one is better by `hysteresis`, and a request that has not
     drafted for `probe_interval` steps drafts one token now and then, so that its
     acceptance estimate does not stay stale where it was left: when the drafter runs
-    anyway, or when one more token per request adds at most `probe_overhead` to the step
-    (never at a load where K = 0 is chosen because verification is expensive).
+    anyway, or every `probe_interval` steps, stretched where a probe step costs more than
+    `probe_overhead` of a plain one (under CUDA graphs at high load it widens every row).
     """
 
     name = "goodput"
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
                  demand: Callable[[int], int] | None = None, hysteresis: float = 0.03,
-                 probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.3,
+                 probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  decision_log: str | None = None):
         self.cost = cost
         self.acceptance = AcceptanceModel(max_draft_len)
@@ -113,7 +113,7 @@ class Goodput:
         self.hysteresis = hysteresis
         self.probe_interval = probe_interval
         self.max_probes = max_probes
-        self.probe_overhead = probe_overhead  # most a probe may add to a step (once per probe_interval)
+        self.probe_overhead = probe_overhead  # a probe step this much dearer than a plain one stretches the interval
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.requested: dict[Request, int] = {}  # this step's decision with probes (what observe compares to)
@@ -151,11 +151,14 @@ class Goodput:
                     ks, rate, held = previous, kept, True
         self.previous = dict(zip(requests, ks.tolist()))
         # Probes cost drafts, a drafter run and (with CUDA graphs) a wider step for everyone:
-        # only where that is cheap.
-        n = min(self.max_probes, int(np.count_nonzero(self.acceptance.age[rows] >= self.probe_interval)))
-        cheap = (ks.any() or self.cost.step_time(b, n, 1, n, context)
-                 <= (1 + self.probe_overhead) * self.cost.step_time(b, 0, 0, 0, context))
-        ks, probes = self._probe(ks, limit, rows, cap) if cheap else (ks, [])
+        # the dearer that is, the rarer they come, so that they take about
+        # probe_overhead / probe_interval of the time (a drafting step carries them for free).
+        interval = self.probe_interval
+        if not ks.any():
+            n = min(self.max_probes, int(np.count_nonzero(self.acceptance.age[rows] >= interval)))
+            extra = self.cost.step_time(b, n, 1, n, context) / self.cost.step_time(b, 0, 0, 0, context) - 1
+            interval *= max(1.0, float(extra) / self.probe_overhead)
+        ks, probes = self._probe(ks, limit, rows, cap, interval)
         self.requested = dict(zip(requests, ks.tolist()))
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
@@ -209,12 +212,12 @@ class Goodput:
         per_token = self.cost.token_cost()
         return lambda n: per_token * np.maximum(np.asarray(n) - spare, 0)
 
-    def _probe(self, ks, limit, rows, cap):
+    def _probe(self, ks, limit, rows, cap, interval):
         """Let the requests that have not drafted for longest draft one token, when the
-        drafter runs anyway this step or has not run for `probe_interval` steps."""
-        stale = (ks == 0) & (limit > 0) & (self.acceptance.age[rows] >= self.probe_interval)
+        drafter runs anyway this step or has not run for `interval` steps."""
+        stale = (ks == 0) & (limit > 0) & (self.acceptance.age[rows] >= interval)
         room = min(self.max_probes, cap - int(ks.sum()))
-        if room <= 0 or not stale.any() or not (ks.any() or self.steps_since_drafting >= self.probe_interval):
+        if room <= 0 or not stale.any() or not (ks.any() or self.steps_since_drafting >= interval):
             return ks, []
         candidates = np.flatnonzero(stale)
         chosen = candidates[np.argsort(-self.acceptance.age[rows[candidates]], kind="stable")[:room]]
