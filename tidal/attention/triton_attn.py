@@ -94,7 +94,10 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Runtime ints that change from step to step (split count, page-table width, token count
+# in scratch strides) are not specialised on: each new value class would compile another
+# kernel in the middle of a user's step.
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"])
 def _attention_kernel(
     q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     qk_scale, num_splits,
@@ -161,7 +164,7 @@ def _attention_kernel(
                  mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
