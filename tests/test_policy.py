@@ -61,8 +61,7 @@ def step(policy, reqs, acceptance, rng, limit=K):
             n += 1
         accepted.append(1 + n)
     plan = StepPlan(reqs, [1] * len(reqs), list(ks))
-    result = StepResult(torch.zeros(len(reqs), 1 + max(ks), dtype=torch.int64), torch.tensor(accepted),
-                        torch.tensor(ks))
+    result = StepResult(torch.zeros(len(reqs), 1 + max(ks), dtype=torch.int64), torch.tensor(accepted))
     policy.observe(plan, result, 0.01)
     return ks
 

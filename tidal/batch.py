@@ -32,10 +32,6 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
     @staticmethod
     def build(
         token_ids: list[list[int]],

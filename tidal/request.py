@@ -39,17 +39,6 @@ class SpecStats:
             self.drafted_per_position[m] += 1
             self.accepted_per_position[m] += m < accepted
 
-    def merge(self, other: "SpecStats") -> None:
-        self.num_steps += other.num_steps
-        self.num_drafted += other.num_drafted
-        self.num_accepted += other.num_accepted
-        for m in range(len(other.drafted_per_position)):
-            if m == len(self.drafted_per_position):
-                self.drafted_per_position.append(0)
-                self.accepted_per_position.append(0)
-            self.drafted_per_position[m] += other.drafted_per_position[m]
-            self.accepted_per_position[m] += other.accepted_per_position[m]
-
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per drafting step (accepted drafts + the target's own token)."""

@@ -164,7 +164,7 @@ class ModelRunner:
             token_ids[rows] = tokens.cpu()
             accept_lens[rows] = accepted.cpu()
             logprobs = self._logprobs(plan, rows, logits, tokens)
-        return StepResult(token_ids, accept_lens, torch.tensor(plan.draft_lens, dtype=torch.int64), logprobs)
+        return StepResult(token_ids, accept_lens, logprobs)
 
     def _logprobs(self, plan, rows, logits, tokens):
         wanted = [plan.requests[i].params.logprobs for i in rows]

@@ -2,7 +2,8 @@
 
 A plain decode step is `draft_lens = 0`, `W = 1`, `accept_lens = 1`; a prefill chunk that
 does not reach the end of its prompt commits nothing (`accept_lens = 0`). The scheduler
-commits every row the same way: `token_ids[i, :accept_lens[i]]`.
+commits every row the same way: `token_ids[i, :accept_lens[i]]`; what was drafted is the
+plan's `draft_lens`.
 """
 
 from __future__ import annotations
@@ -29,14 +30,11 @@ class StepPlan:
     def max_draft_len(self) -> int:
         return max(self.draft_lens, default=0)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens) + sum(self.draft_lens)
-
 
 @dataclass
 class StepResult:
     token_ids: torch.Tensor     # [B, W] int64 on the host; row i valid up to accept_lens[i]
     accept_lens: torch.Tensor   # [B] int64 on the host: tokens to commit (0 for a partial prefill chunk)
-    num_drafted: torch.Tensor   # [B] int64: K_i, for acceptance statistics
-    logprobs: list[dict[int, float] | None] | None = None  # flat over committed tokens, if any request asked
+    # Per row, one {token id: logprob} dict per position (None for rows that did not ask);
+    # None when no request asked.
+    logprobs: list[list[dict[int, float]] | None] | None = None
