@@ -89,8 +89,9 @@ async def client_loop(todo: deque[BenchRequest], send, phase: int) -> None:
 
 
 def spec_counters(base_url: str) -> dict:
-    """The server's speculation totals: drafted and accepted tokens, and how often each
-    draft length K was chosen (from the cumulative `tidal_spec_draft_length` histogram)."""
+    """The server's speculation totals: drafted and accepted tokens, request-steps that
+    verified drafts, and how often each draft length K was chosen (from the cumulative
+    `tidal_spec_draft_length` histogram)."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     samples = {}
     buckets = []
@@ -102,6 +103,7 @@ def spec_counters(base_url: str) -> dict:
     cumulative = [n for _, n in sorted(buckets)]
     return {"drafted": samples["tidal_spec_draft_tokens_total"],
             "accepted": samples["tidal_spec_accepted_tokens_total"],
+            "draft_steps": samples["tidal_spec_draft_steps_total"],
             "k_counts": [b - a for a, b in zip([0.0] + cumulative, cumulative)]}
 
 

@@ -21,7 +21,7 @@ from tidal.engine import LLMEngine
 def engine_counters(engine: LLMEngine) -> dict:
     stats = engine.stats()
     return {"drafted": stats["spec"]["num_drafted"], "accepted": stats["spec"]["num_accepted"],
-            "k_counts": list(stats["policy"]["draft_len_counts"])}
+            "draft_steps": stats["spec"]["num_steps"], "k_counts": list(stats["policy"]["draft_len_counts"])}
 
 
 class LoadDriver:

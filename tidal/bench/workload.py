@@ -170,14 +170,15 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
 
 
 def spec_delta(before: dict, after: dict) -> dict:
-    """Speculation during a run, from two snapshots {drafted, accepted, k_counts}: the
-    acceptance rate, the mean accepted length (accepted drafts + 1 per step in which the
-    policy chose K >= 1; a proposer that finds no draft, as n-gram may, accepts 0 there)
-    and the share of each K the policy chose for decoding requests."""
+    """Speculation during a run, from two snapshots {drafted, accepted, draft_steps,
+    k_counts}: the acceptance rate, the mean accepted length (accepted drafts + 1 per
+    request-step that verified drafts) and the share of each K the policy chose for
+    decoding requests (a proposer may draft fewer, as n-gram does when it finds nothing)."""
     drafted = after["drafted"] - before["drafted"]
     accepted = after["accepted"] - before["accepted"]
+    drafting_steps = after["draft_steps"] - before["draft_steps"]
     counts = [a - b for a, b in zip(after["k_counts"], before["k_counts"])]
-    steps, drafting_steps = sum(counts), sum(counts[1:])
+    steps = sum(counts)
     return {
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,

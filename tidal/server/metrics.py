@@ -83,6 +83,8 @@ class EngineStatsCollector:
         yield CounterMetricFamily("tidal_spec_draft_tokens", "Draft tokens proposed and verified",
                                   spec["num_drafted"])
         yield CounterMetricFamily("tidal_spec_accepted_tokens", "Draft tokens accepted", spec["num_accepted"])
+        yield CounterMetricFamily("tidal_spec_draft_steps", "Request-steps in which drafts were verified",
+                                  spec["num_steps"])
         yield GaugeMetricFamily("tidal_spec_mean_accepted_length",
                                 "Tokens committed per drafting step (accepted drafts + 1)",
                                 spec["mean_accepted_length"])
