@@ -128,7 +128,8 @@ class SamplingTensors:
 
     def select(self, rows: Sequence[int]) -> "SamplingTensors":
         """The subset of rows (host indices), e.g. the requests still drafting."""
-        return self.repeat_rows([1 if i in set(rows) else 0 for i in range(self.seeds.shape[0])])
+        keep = set(rows)
+        return self.repeat_rows([1 if i in keep else 0 for i in range(self.seeds.shape[0])])
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
