@@ -7,6 +7,8 @@ for their last K_i + 1 positions; those are sampled (K = 0 everywhere) or verifi
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tidal.attention import get_backend
@@ -137,23 +139,24 @@ class ModelRunner:
             hidden = out
 
         # Rows that sample: logits for their last K_i + 1 query positions, padded to W.
-        ends, offset = [], 0
-        for i, feed in enumerate(feeds):
-            offset += len(feed)
-            ends.append(offset)
-        index = [[ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i]) for j in range(width)] for i in rows]
         token_ids = torch.zeros(len(reqs), width, dtype=torch.int64)
         accept_lens = torch.zeros(len(reqs), dtype=torch.int64)
         logprobs = None
         if rows:
-            index_t = torch.tensor(index, device=self.device)
-            logits = self.model.compute_logits(hidden[index_t.flatten()]).view(len(rows), width, -1)
+            if width == 1 and len(rows) == len(reqs) == hidden.shape[0]:
+                last = hidden  # a plain decode step: every token is a row's last
+            else:
+                ends = list(itertools.accumulate(len(f) for f in feeds))
+                index = [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i]) for i in rows for j in range(width)]
+                last = hidden[torch.tensor(index, device=self.device)]
+            logits = self.model.compute_logits(last).view(len(rows), width, -1)
             sampled = [reqs[i] for i in rows]
             st = SamplingTensors.build([r.params for r in sampled], [r.seed for r in sampled], self.device)
             counters = torch.tensor([r.num_output_tokens for r in sampled], device=self.device)
             if width == 1:
                 tokens = sample(logits[:, 0], st, counters)[:, None]
-                accepted = torch.ones(len(rows), dtype=torch.int64, device=self.device)
+                token_ids[rows] = tokens.cpu()  # the step's one device-to-host copy
+                accept_lens[rows] = 1
             else:
                 k = torch.tensor([plan.draft_lens[i] for i in rows], device=self.device)
                 padded = torch.tensor([drafts[i] + [0] * (width - 1 - len(drafts[i])) if plan.draft_lens[i]
@@ -161,8 +164,8 @@ class ModelRunner:
                 probs = draft_probs[rows, :width - 1] if draft_probs is not None else None
                 tokens, accepted = verify(logits, padded, probs, k, st, counters,
                                           simulate_acceptance=simulate_acceptance)
-            token_ids[rows] = tokens.cpu()
-            accept_lens[rows] = accepted.cpu()
+                both = torch.cat([tokens, accepted[:, None]], dim=1).cpu()  # one device-to-host copy
+                token_ids[rows], accept_lens[rows] = both[:, :-1], both[:, -1]
             logprobs = self._logprobs(plan, rows, logits, tokens)
         return StepResult(token_ids, accept_lens, logprobs)
 
