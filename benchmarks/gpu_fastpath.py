@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tidal import LLM, SamplingParams  # noqa: E402
-from tidal.demo import build_demo_model  # noqa: E402
+from tidal.demo import DEMO_DIR  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -45,11 +45,10 @@ SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 
 def write_model_dir(root: Path, shape: dict) -> Path:
     """config.json of the given shape plus the demo tokenizer (prompts are token ids)."""
-    build_demo_model(root / "tok")
     path = root / "target"
     path.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(root / "tok" / name, path / name)
+        shutil.copy(DEMO_DIR / "target" / name, path / name)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 0,
               "eos_token_id": 1, "torch_dtype": "bfloat16", **shape}
     (path / "config.json").write_text(json.dumps(config))

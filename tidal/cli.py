@@ -7,9 +7,12 @@ import json
 import sys
 import time
 
+from tidal.demo import default_model_dir, default_speculative_config
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder (default: the embedded demo model)")
+    p.add_argument("--model", default=None,
+                   help="model folder (default: the embedded demo pair, with its EAGLE-3 head)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
@@ -19,11 +22,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    from tidal.demo import default_model_dir
-
     return dict(model=args.model or default_model_dir(), device=args.device, dtype=args.dtype,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                speculative_config=args.speculative_config)
+                speculative_config=speculative_config(args))
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """The one given; else, on the embedded demo model, its EAGLE-3 head."""
+    if args.speculative_config is not None or args.model is not None:
+        return args.speculative_config
+    return default_speculative_config()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -44,7 +52,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
     stats = llm.engine.stats()
     print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s), {stats['num_steps']} steps")
-    if args.speculative_config:
+    if llm.engine.config.speculative_config:
         spec = stats["spec"]
         print(f"speculation: mean accepted length {spec['mean_accepted_length']:.2f}, "
               f"acceptance per position {[round(a, 2) for a in spec['acceptance_per_position']]}")

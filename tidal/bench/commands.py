@@ -99,6 +99,7 @@ def finish(args: argparse.Namespace, report: dict) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tidal.bench.serve import run_sweep
+    from tidal.cli import speculative_config
     from tidal.demo import default_model_dir
 
     modes, loads, requests, dataset = prepare(args)
@@ -107,7 +108,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.max_model_len is not None:
         server_args += ["--max-model-len", str(args.max_model_len)]
     try:
-        report = run_sweep(modes, loads, requests, model=model, spec_config=args.speculative_config,
+        report = run_sweep(modes, loads, requests, model=model, spec_config=speculative_config(args),
                            server_args=server_args, base_url=args.base_url, seed=args.seed,
                            temperature=args.temperature, num_warmups=args.num_warmups,
                            server_timeout=args.server_timeout, dataset=dataset)
