@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from collections import deque
 
@@ -62,21 +61,16 @@ async def run_load(base_url: str, model: str, load: Load, requests: list[BenchRe
 
         start = time.perf_counter()
         if load.rate is not None:
-            rng = random.Random(seed)
-            tasks, arrival = [], start
-            for req in requests:
-                await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+            tasks = []
+            for req, offset in zip(requests, load.arrival_offsets(len(requests), seed)):
+                await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
                 tasks.append(asyncio.create_task(send(req, 0)))
-                arrival += rng.expovariate(load.rate)
             await asyncio.gather(*tasks)
         else:
-            queue = iter(requests)
-            for _ in range(load.cycles):
-                for phase, (clients, n) in enumerate(load.phases):
-                    todo = deque(next(queue) for _ in range(n))
-                    phase_start = time.perf_counter()
-                    await asyncio.gather(*(client_loop(todo, send, phase) for _ in range(min(clients, n))))
-                    spans.append((phase, time.perf_counter() - phase_start))
+            for phase, clients, todo in load.phase_queues(requests):
+                phase_start = time.perf_counter()
+                await asyncio.gather(*(client_loop(todo, send, phase) for _ in range(min(clients, len(todo)))))
+                spans.append((phase, time.perf_counter() - phase_start))
         duration = time.perf_counter() - start
     bar.close()
     return records, duration, spans

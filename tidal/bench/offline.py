@@ -4,7 +4,6 @@ engine, stepped directly), without HTTP: the engine's own throughput."""
 from __future__ import annotations
 
 import gc
-import random
 import time
 from collections import deque
 
@@ -62,11 +61,8 @@ def run_load_offline(engine: LLMEngine, load: Load, requests: list[BenchRequest]
     driver, spans = LoadDriver(engine, temperature, bar), []
     start = time.perf_counter()
     if load.rate is not None:
-        rng = random.Random(seed)
-        pending, arrival = deque(), start
-        for req in requests:
-            pending.append((arrival, req))
-            arrival += rng.expovariate(load.rate)
+        offsets = load.arrival_offsets(len(requests), seed)
+        pending = deque((start + offset, req) for req, offset in zip(requests, offsets))
         while pending or driver.running:
             while pending and pending[0][0] <= time.perf_counter():
                 driver.add(pending.popleft()[1], 0)
@@ -75,16 +71,13 @@ def run_load_offline(engine: LLMEngine, load: Load, requests: list[BenchRequest]
             else:
                 time.sleep(max(0.0, pending[0][0] - time.perf_counter()))
     else:
-        queue = iter(requests)
-        for _ in range(load.cycles):
-            for phase, (clients, n) in enumerate(load.phases):
-                todo = deque(next(queue) for _ in range(n))
-                phase_start = time.perf_counter()
-                while todo or driver.running:
-                    while todo and len(driver.running) < clients:
-                        driver.add(todo.popleft(), phase)
-                    driver.step()
-                spans.append((phase, time.perf_counter() - phase_start))
+        for phase, clients, todo in load.phase_queues(requests):
+            phase_start = time.perf_counter()
+            while todo or driver.running:
+                while todo and len(driver.running) < clients:
+                    driver.add(todo.popleft(), phase)
+                driver.step()
+            spans.append((phase, time.perf_counter() - phase_start))
     duration = time.perf_counter() - start
     bar.close()
     return driver.records, duration, spans

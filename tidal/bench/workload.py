@@ -8,8 +8,11 @@ method loaded, policy off), "fixed:K", "table" or "goodput". A load is either cl
 
 from __future__ import annotations
 
+import random
 import re
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -30,6 +33,21 @@ class Load:
     @property
     def total_requests(self) -> int:
         return self.num_requests if self.rate is not None else self.cycles * sum(n for _, n in self.phases)
+
+    def arrival_offsets(self, count: int, seed: int) -> list[float]:
+        """Open loop: seconds after the start at which each request is sent (Poisson)."""
+        rng, offset, offsets = random.Random(seed), 0.0, []
+        for _ in range(count):
+            offsets.append(offset)
+            offset += rng.expovariate(self.rate)
+        return offsets
+
+    def phase_queues(self, requests: list) -> Iterator[tuple[int, int, deque]]:
+        """Closed loop: (phase, clients, its requests in order) for each phase of each cycle."""
+        queue = iter(requests)
+        for _ in range(self.cycles):
+            for phase, (clients, n) in enumerate(self.phases):
+                yield phase, clients, deque(next(queue) for _ in range(n))
 
 
 @dataclass
