@@ -5,7 +5,7 @@
 Writes OUT/target (Llama + tokenizer, Hugging Face layout) and OUT/eagle3 (the head, in the
 published EAGLE-3 layout), both bfloat16 safetensors, then measures acceptance with tidal
 itself and writes OUT/MODEL_CARD.md. Everything is seeded; `small` fits a 2-core CPU in
-about 25 minutes, `full` (~20M parameters) is meant for one GPU in about 10 minutes.
+about 25 minutes, `full` (~13M parameters) is meant for one GPU in about 10 minutes.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ SCALES = {
     # vocab, hidden, layers, heads, kv heads, mlp, context, batch, lr, target steps, head steps
     "small": dict(vocab=2048, hidden=192, layers=6, heads=6, kv_heads=2, inter=512, ctx=256,
                   batch=16, lr=2e-3, steps=900, head_steps=400, head_lr=2e-3, ttt=3),
-    "full": dict(vocab=8192, hidden=384, layers=8, heads=6, kv_heads=2, inter=1024, ctx=512,
-                 batch=64, lr=1.5e-3, steps=2000, head_steps=1000, head_lr=1e-3, ttt=3),
+    # ~10M + 3M parameters: both in bfloat16 fit the ~30 MB the package may carry.
+    "full": dict(vocab=4096, hidden=320, layers=8, heads=5, kv_heads=1, inter=896, ctx=512,
+                 batch=64, lr=1.5e-3, steps=3000, head_steps=1500, head_lr=1e-3, ttt=3),
 }
 
 
@@ -94,6 +95,11 @@ def lr_at(step: int, total: int, peak: float) -> float:
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))) * 0.9 + peak * 0.1
 
 
+def mixed_precision(device: str):
+    """bfloat16 autocast on the GPU (keeps the full run within its ~10 minutes); float32 on the CPU."""
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")
+
+
 def train_target(s: dict, data: torch.Tensor, eval_data: torch.Tensor, device: str, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,7 +119,8 @@ def train_target(s: dict, data: torch.Tensor, eval_data: torch.Tensor, device: s
         batch = data[rows].to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, s["steps"], s["lr"])
-        logits = model(batch[:, :-1]).logits
+        with mixed_precision(device):
+            logits = model(batch[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -225,11 +232,12 @@ def train_head(s: dict, target, data: torch.Tensor, aux_ids: list[int], device: 
     start = time.time()
     for step in range(steps):
         batch = data[torch.randint(len(data), (s["batch"],), generator=gen)].to(device)[:, :-1]
-        with torch.no_grad():
+        with torch.no_grad(), mixed_precision(device):
             out = target(batch, output_hidden_states=True)
             aux = torch.cat([out.hidden_states[i + 1] for i in aux_ids], -1)
             teacher = out.logits.float().softmax(-1)
-        logits = head(batch[:, 1:], aux[:, :-1], ttt)
+        with mixed_precision(device):
+            logits = head(batch[:, 1:], aux[:, :-1], ttt)
         labels = teacher[:, 1:]
         losses = [-(labels * lg.float().log_softmax(-1)).sum(-1).mean() for lg in logits]
         loss = sum(w * l for w, l in zip([0.8 ** k for k in range(ttt)], losses))
@@ -275,18 +283,19 @@ def save_head(head: Head, s: dict, aux_ids: list[int], out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def measure(target_dir: Path, head_dir: Path, eval_convs: list, n: int, max_tokens: int, ctx: int) -> dict:
+def measure(target_dir: Path, head_dir: Path, eval_convs: list, n: int, max_tokens: int, ctx: int,
+            device: str) -> dict:
     """Greedy on the first n held-out first turns that fit the context, with and without
     EAGLE-3 at K=4: acceptance, and whether the outputs are identical (losslessness)."""
     from tidal import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    base = LLM(model=str(target_dir), dtype="float32")
+    base = LLM(model=str(target_dir), dtype="float32", device=device)
     prompts = [base.tokenizer.apply_chat_template([c[0]]) for c in eval_convs]
     prompts = [p for p in prompts if len(p) + max_tokens <= ctx][:n]
     plain = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
     del base
-    spec = LLM(model=str(target_dir), dtype="float32", speculative_config={
+    spec = LLM(model=str(target_dir), dtype="float32", device=device, speculative_config={
         "method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 4, "policy": "fixed"})
     drafted = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     return {"spec": spec.engine.stats()["spec"], "prompts": len(prompts), "max_tokens": max_tokens,
@@ -315,7 +324,8 @@ def main() -> None:
     train_convs, eval_convs = load_conversations(args.seed)
     train_texts = [render(c) for c in train_convs]
     print(f"{len(train_convs)} train / {len(eval_convs)} held-out conversations ({time.time() - t0:.0f}s)")
-    budget = 12 * s["steps"] * s["batch"] * (s["ctx"] + 1)  # ~3 chars per token, 4 epochs' worth
+    # The tokenizer learns from ~4 epochs' worth of text (~3 chars per token), at most 50M chars.
+    budget = min(12 * s["steps"] * s["batch"] * (s["ctx"] + 1), 50_000_000)
     chars, n_tok_texts = 0, 0
     while n_tok_texts < len(train_texts) and chars < budget:
         chars += len(train_texts[n_tok_texts])
@@ -347,7 +357,7 @@ def main() -> None:
     n_head = sum(p.numel() for n, p in head.named_parameters())
     print(f"head: {n_head / 1e6:.2f}M params ({t_head:.0f}s)")
 
-    m = measure(out / "target", out / "eagle3", eval_convs, 50, 64, s["ctx"])
+    m = measure(out / "target", out / "eagle3", eval_convs, 50, 64, s["ctx"], args.device)
     print(json.dumps(m, indent=2))
     result = {"scale": args.scale, "device": args.device, "seed": args.seed, "aux_ids": aux_ids,
               "target_params": n_params,
