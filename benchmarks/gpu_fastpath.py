@@ -8,7 +8,8 @@ equal transformers' and the torch reference backend's. Speed: a Llama-3.1-8B-sha
 with random weights (bf16): batch-1 decode, offline 256 x (128 in, 128 out) against
 transformers' static-cache generate in the same run, a proposer configured at K = 0 vs
 none, an EAGLE-3-shaped head with SIMULATED acceptance (0.8, K = 4) vs plain, and the
-scheduler's Python time per step at 256 requests. Prints a table last; writes JSON to
+scheduler's Python time per step at 256 requests, and where a decode step's time goes
+at batch 1 and 256 (torch profiler: GPU busy vs idle, top kernels). Prints a table last; writes JSON to
 $OUT/gpu_fastpath.json.
 """
 
@@ -165,6 +166,34 @@ def scheduler_overhead(llm, prompts, new_tokens):
     return {"host_ms": host * 1e3, "step_ms": total * 1e3, "fraction": host / total}
 
 
+def where_time_goes(llm, prompts, steps=24):
+    """Decode steps under the torch profiler: wall time per step, the GPU's busy time in it
+    (kernel durations summed; the rest is the GPU waiting on the host), and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(engine.make_request(p, greedy(steps + 64)))
+    while engine.scheduler.waiting or any(r.num_computed < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()  # prefill first: only decode steps are profiled
+    for _ in range(4):
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        wall = (time.perf_counter() - start) / steps
+    for req in list(engine.scheduler.running):
+        engine.abort(req.request_id)
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # us -> ms
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    return {"step_ms": wall * 1e3, "gpu_busy_ms": busy, "gpu_idle_ms": wall * 1e3 - busy,
+            "top_kernels_ms_per_step": {e.key[:80]: e.self_device_time_total / 1e3 / steps for e in top}}
+
+
 def hf_static_generate(model_dir, device, batch, prompt_len, new_tokens):
     import transformers
 
@@ -231,6 +260,8 @@ def main():
             speed["plain_b64"] = decode_rate(llm, mid, new_tokens)
             speed["plain_offline"] = decode_rate(llm, many, new_tokens)
             speed["scheduler_overhead"] = scheduler_overhead(llm, many, new_tokens)
+            speed["profile_b1"] = where_time_goes(llm, one)
+            speed["profile_full_batch"] = where_time_goes(llm, many)
             del llm
             free_memory()
 
@@ -275,6 +306,11 @@ def main():
     if "scheduler_overhead" in s:
         o = s["scheduler_overhead"]
         rows.append(("scheduler host time / step at full batch", f"{o['host_ms']:.2f} / {o['step_ms']:.2f} ms = {o['fraction']:.1%}"))
+    for key in ("profile_b1", "profile_full_batch"):
+        if key in s:
+            o = s[key]
+            rows.append((f"{key}: step / GPU busy / GPU idle (ms)",
+                         f"{o['step_ms']:.2f} / {o['gpu_busy_ms']:.2f} / {o['gpu_idle_ms']:.2f}"))
     results["table"] = rows
     (out_dir / "gpu_fastpath.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n" + "\n".join(f"{k:<55} {v}" for k, v in rows))
