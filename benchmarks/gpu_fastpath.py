@@ -9,7 +9,8 @@ with random weights (bf16): batch-1 decode, offline 256 x (128 in, 128 out) agai
 transformers' static-cache generate in the same run, a proposer configured at K = 0 vs
 none, an EAGLE-3-shaped head with SIMULATED acceptance (0.8, K = 4) vs plain, and the
 scheduler's Python time per step at 256 requests, and where a decode step's time goes
-at batch 1 and 256 (torch profiler: GPU busy vs idle, top kernels). Prints a table last; writes JSON to
+at batch 1 and 256, and of a speculative step at batch 1 (torch profiler: GPU busy vs
+idle, top kernels). Prints a table last; writes JSON to
 $OUT/gpu_fastpath.json.
 """
 
@@ -187,11 +188,16 @@ def where_time_goes(llm, prompts, steps=24):
         wall = (time.perf_counter() - start) / steps
     for req in list(engine.scheduler.running):
         engine.abort(req.request_id)
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # us -> ms
     top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": wall * 1e3, "gpu_busy_ms": busy, "gpu_idle_ms": wall * 1e3 - busy,
-            "top_kernels_ms_per_step": {e.key[:80]: e.self_device_time_total / 1e3 / steps for e in top}}
+            "top_kernels_ms_per_step": {e.key[:80]: e.self_device_time_total / 1e3 / steps for e in top},
+            "top_host_ops_ms_per_step": {e.key[:80]: (e.self_cpu_time_total / 1e3 / steps, e.count // steps)
+                                         for e in host}}
 
 
 def hf_static_generate(model_dir, device, batch, prompt_len, new_tokens):
@@ -273,6 +279,8 @@ def main():
             if cfg.get("policy") == "off":
                 speed[f"{name}_b64"] = decode_rate(llm, mid, new_tokens)
             speed[f"{name}_b1"]["spec"] = llm.engine.stats()["spec"]
+            if cfg.get("simulate_acceptance"):
+                speed["profile_eagle3_b1"] = where_time_goes(llm, one)
             del llm
             free_memory()
 
@@ -306,7 +314,7 @@ def main():
     if "scheduler_overhead" in s:
         o = s["scheduler_overhead"]
         rows.append(("scheduler host time / step at full batch", f"{o['host_ms']:.2f} / {o['step_ms']:.2f} ms = {o['fraction']:.1%}"))
-    for key in ("profile_b1", "profile_full_batch"):
+    for key in ("profile_b1", "profile_full_batch", "profile_eagle3_b1"):
         if key in s:
             o = s[key]
             rows.append((f"{key}: step / GPU busy / GPU idle (ms)",

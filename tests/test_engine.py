@@ -136,6 +136,26 @@ def test_stop_token_ids_max_tokens_and_text(checkpoint):
     assert_idle(llm)
 
 
+def test_streaming_requests_get_every_step_others_their_result(checkpoint):
+    llm = LLM(model=checkpoint("llama"), page_size=8)
+    engine = llm.engine
+    streamed = engine.make_request("The quick brown fox", greedy(), stream=True)
+    quiet = engine.make_request("The quick brown fox", greedy())
+    engine.add_request(streamed)
+    engine.add_request(quiet)
+    seen = {streamed.request_id: [], quiet.request_id: []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[quiet.request_id]) == 1 and seen[quiet.request_id][0].finished
+    chunks = seen[streamed.request_id]
+    assert len(chunks) == NEW_TOKENS and chunks[-1].finished
+    final = seen[quiet.request_id][0].outputs[0]
+    assert "".join(c.outputs[0].delta for c in chunks) == chunks[-1].outputs[0].text == final.text
+    assert chunks[-1].outputs[0].token_ids == final.token_ids
+    assert_idle(llm)
+
+
 def test_logprobs(checkpoint):
     llm = LLM(model=checkpoint("llama"), page_size=8)
     out = llm.generate([[5, 6, 7]], greedy(max_tokens=4, logprobs=3), use_tqdm=False)[0].outputs[0]

@@ -58,8 +58,12 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and tokenize; raises ValueError naming the problem, touching no state."""
+    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                     stream: bool = False) -> Request:
+        """Validate and tokenize; raises ValueError naming the problem, touching no state.
+        A streaming request gets an output from every step that commits its tokens; any
+        other one only its final output (detokenizing every request every step is the
+        largest host cost of a big batch)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -82,7 +86,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
-        return Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids)
+        return Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -103,7 +107,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One forward step. Returns an output (with the text delta) for every request
-        that committed tokens or finished."""
+        that finished, and for every streaming one that committed tokens."""
         plan = self.scheduler.schedule()
         if not plan.requests:
             return []
@@ -127,7 +131,8 @@ class LLMEngine:
             if n == 0 and not req.finished:
                 continue
             self.num_generated_tokens += n
-            outputs.append(self._output(req))
+            if req.finished or req.stream or req.params.stop:  # stop strings are found in the text
+                outputs.append(self._output(req))
         return outputs
 
     def _output(self, req: Request) -> RequestOutput:

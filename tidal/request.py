@@ -81,8 +81,9 @@ class RequestOutput:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, seed: int, eos_token_ids: tuple[int, ...]):
+                 params: SamplingParams, seed: int, eos_token_ids: tuple[int, ...], stream: bool = False):
         self.request_id = request_id
+        self.stream = stream                       # wants an output from every step, not just the last
         self.prompt = prompt
         self.params = params
         self.seed = seed

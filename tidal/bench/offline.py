@@ -35,7 +35,7 @@ class LoadDriver:
 
     def add(self, req: BenchRequest, phase: int) -> None:
         params = SamplingParams(max_tokens=req.output_len, temperature=self.temperature, ignore_eos=True)
-        request = self.engine.make_request(req.prompt, params)
+        request = self.engine.make_request(req.prompt, params, stream=True)  # times every chunk
         record = RequestRecord(phase, req.prompt_len, req.output_len, start=time.perf_counter())
         self.engine.add_request(request)
         self.running[request.request_id] = record

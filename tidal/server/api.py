@@ -219,7 +219,8 @@ class OpenAIServing:
                 params = SamplingParams(
                     max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(prompt)),
                     seed=None if body.seed is None else body.seed + i, logprobs=logprobs, **body.sampling_kwargs())
-                requests.append(self.engine.engine.make_request(prompt, params, f"{response_id}-{len(requests)}"))
+                requests.append(self.engine.engine.make_request(prompt, params, f"{response_id}-{len(requests)}",
+                                                                stream=bool(body.stream)))
                 if len(prompt) + params.max_tokens > self.max_model_len:
                     raise ValueError(f"max_tokens: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} "
                                      f"exceed the model's context of {self.max_model_len} tokens")
