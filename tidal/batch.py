@@ -13,6 +13,16 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host data as a device tensor, copied without waiting for the device. A plain
+    `torch.tensor(data, device=...)` synchronises the stream, so the host stops queueing
+    work until the GPU has drained; a copy from pinned memory does not."""
+    t = torch.tensor(data, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64, all query tokens of all requests, flat
@@ -59,18 +69,19 @@ class ForwardBatch:
         extra_tokens = max(pad_tokens - len(flat_ids), 0)
         extra_seqs = max(pad_seqs - len(seq_lens), 0)
         width = max(len(p) for p in page_tables)
-        table = [p + [0] * (width - len(p)) for p in page_tables] + [[0] * width] * extra_seqs
-
-        def as_tensor(data, dtype):
-            return torch.tensor(data, dtype=dtype).to(device, non_blocking=True)
-
+        table = [page for p in page_tables for page in p + [0] * (width - len(p))] + [0] * (width * extra_seqs)
+        parts = [flat_ids + [0] * extra_tokens, positions + [0] * extra_tokens, slots + [-1] * extra_tokens,
+                 starts + [starts[-1]] * extra_seqs, seq_lens + [0] * extra_seqs, table]
+        # One host-to-device copy for all of it (each copy costs the host more than a kernel).
+        flat = to_device([x for part in parts for x in part], torch.int64, device)
+        ids, pos, slot_mapping, query_start_loc, lens, pages = flat.split([len(part) for part in parts])
         return ForwardBatch(
-            input_ids=as_tensor(flat_ids + [0] * extra_tokens, torch.int64),
-            positions=as_tensor(positions + [0] * extra_tokens, torch.int64),
-            query_start_loc=as_tensor(starts + [starts[-1]] * extra_seqs, torch.int32),
-            seq_lens=as_tensor(seq_lens + [0] * extra_seqs, torch.int32),
-            page_table=as_tensor(table, torch.int32),
-            slot_mapping=as_tensor(slots + [-1] * extra_tokens, torch.int64),
+            input_ids=ids,
+            positions=pos,
+            query_start_loc=query_start_loc.int(),
+            seq_lens=lens.int(),
+            page_table=pages.view(len(page_tables) + extra_seqs, width).int(),
+            slot_mapping=slot_mapping,
             max_query_len=max(len(t) for t in token_ids),
             max_seq_len=max(seq_lens),
         )

@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from tidal.attention import get_backend
-from tidal.batch import ForwardBatch
+from tidal.batch import ForwardBatch, to_device
 from tidal.config import DTYPES, EngineConfig
 from tidal.graphs import CudaGraphs
 from tidal.kv_cache import NULL_PAGE
@@ -48,6 +48,18 @@ class ModelRunner:
         self.aux_layer_ids: tuple[int, ...] = ()    # set by an EAGLE-3 proposer before allocation
         self.aux_cache: torch.Tensor | None = None  # target hidden states per KV slot, for EAGLE-3
         self.graphs: CudaGraphs | None = None
+        self._sampling: tuple[list, SamplingTensors | None] = ([], None)
+
+    def sampling_tensors(self, reqs: list) -> SamplingTensors:
+        """The sampling tensors of these requests' rows. A decode batch keeps its requests
+        from one step to the next, so the last ones built are reused while the rows are the
+        same requests (their parameters and seeds never change): five host-to-device
+        copies fewer per step."""
+        last, st = self._sampling
+        if st is None or len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):
+            st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+            self._sampling = (list(reqs), st)
+        return st
 
     def allocate_cache(self, extra_bytes_per_page: int = 0) -> None:
         """Size the page pool from the memory left after loading weights (a drafter's KV per
@@ -148,19 +160,19 @@ class ModelRunner:
             else:
                 ends = list(itertools.accumulate(len(f) for f in feeds))
                 index = [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i]) for i in rows for j in range(width)]
-                last = hidden[torch.tensor(index, device=self.device)]
+                last = hidden[to_device(index, torch.int64, self.device)]
             logits = self.model.compute_logits(last).view(len(rows), width, -1)
             sampled = [reqs[i] for i in rows]
-            st = SamplingTensors.build([r.params for r in sampled], [r.seed for r in sampled], self.device)
-            counters = torch.tensor([r.num_output_tokens for r in sampled], device=self.device)
+            st = self.sampling_tensors(sampled)
+            counters = to_device([r.num_output_tokens for r in sampled], torch.int64, self.device)
             if width == 1:
                 tokens = sample(logits[:, 0], st, counters)[:, None]
                 token_ids[rows] = tokens.cpu()  # the step's one device-to-host copy
                 accept_lens[rows] = 1
             else:
-                k = torch.tensor([plan.draft_lens[i] for i in rows], device=self.device)
-                padded = torch.tensor([drafts[i] + [0] * (width - 1 - len(drafts[i])) if plan.draft_lens[i]
-                                       else [0] * (width - 1) for i in rows], device=self.device)
+                k = to_device([plan.draft_lens[i] for i in rows], torch.int64, self.device)
+                padded = to_device([drafts[i] + [0] * (width - 1 - len(drafts[i])) if plan.draft_lens[i]
+                                    else [0] * (width - 1) for i in rows], torch.int64, self.device)
                 probs = draft_probs[rows, :width - 1] if draft_probs is not None else None
                 tokens, accepted = verify(logits, padded, probs, k, st, counters,
                                           simulate_acceptance=simulate_acceptance)

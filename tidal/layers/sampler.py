@@ -14,6 +14,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from tidal.batch import to_device
 from tidal.config import SamplingParams
 
 STREAM_SAMPLE = 0   # token sampling (plain decode, and the resample/bonus token of verification)
@@ -59,13 +60,6 @@ def hash_uniform_vocab(seeds: torch.Tensor, counters: torch.Tensor, stream: int,
     return _to_unit(_mix32(keys.unsqueeze(-1) ^ cols))
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device copy that does not wait for the device (pinned + non_blocking)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the device, plus host-side flags computed once at
@@ -91,15 +85,12 @@ class SamplingTensors:
         device = torch.device(device)
         top_ks = [p.top_k if p.top_k > 0 and p.temperature > 0 else 0 for p in params]
         sampling = [p for p in params if p.temperature > 0]
-        host = dict(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor(top_ks, dtype=torch.int64),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            seeds=torch.tensor([s & (2**63 - 1) for s in seeds], dtype=torch.int64),
-        )
         return SamplingTensors(
-            **{name: _to_device(t, device) for name, t in host.items()},
+            temperature=to_device([p.temperature for p in params], torch.float32, device),
+            top_k=to_device(top_ks, torch.int64, device),
+            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            min_p=to_device([p.min_p for p in params], torch.float32, device),
+            seeds=to_device([s & (2**63 - 1) for s in seeds], torch.int64, device),
             all_greedy=not sampling,
             any_greedy=len(sampling) < len(params),
             need_top_k=any(k > 0 for k in top_ks),
@@ -117,8 +108,7 @@ class SamplingTensors:
         else:
             if len(counts) != self.seeds.shape[0]:
                 raise ValueError(f"got {len(counts)} counts for {self.seeds.shape[0]} rows")
-            index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.int64))
-            index = _to_device(index, self.seeds.device)
+            index = to_device([i for i, n in enumerate(counts) for _ in range(n)], torch.int64, self.seeds.device)
 
             def expand(t):
                 return t.index_select(0, index)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tidal.batch import to_device
 from tidal.models.config import ModelConfig
 from tidal.models.eagle3 import Eagle3Config, load_eagle3
 from tidal.models.loader import default_aux_layer_ids
@@ -40,7 +41,7 @@ class Eagle3Proposer(ChainDrafter):
         # Positions num_absorbed .. n - 2 take token p + 1 and the target's state at p.
         ps = self.runner.page_size
         slots = [r.pages[p // ps] * ps + p % ps for r in reqs for p in range(r.num_absorbed, r.num_tokens - 1)]
-        state = self.runner.aux_cache[torch.tensor(slots, device=self.runner.device)]
+        state = self.runner.aux_cache[to_device(slots, torch.int64, self.runner.device)]
         return [r.token_ids[r.num_absorbed + 1:] for r in reqs], [r.num_absorbed for r in reqs], state
 
     def next_position(self, req, j):

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from tidal.batch import ForwardBatch
+from tidal.batch import ForwardBatch, to_device
 from tidal.graphs import CudaGraphs
-from tidal.layers.sampler import STREAM_DRAFT, SamplingTensors, processed_probs, sample_from_probs
+from tidal.layers.sampler import STREAM_DRAFT, processed_probs, sample_from_probs
 from tidal.step import StepPlan
 
 
@@ -108,10 +108,10 @@ class ChainDrafter(ABC):
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
         device, ps = self.runner.device, self.runner.page_size
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], device)
-        counters = torch.tensor([r.num_output_tokens for r in reqs], device=device)
+        st = self.runner.sampling_tensors(reqs)
+        counters = to_device([r.num_output_tokens for r in reqs], torch.int64, device)
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
-        rows_t = torch.tensor(rows, device=device)
+        rows_t = to_device(rows, torch.int64, device)
         tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
         pages = [r.pages for r in reqs]
 
@@ -120,12 +120,13 @@ class ChainDrafter(ABC):
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
         for j in range(1, max(ks)):
             live = [b for b, k in enumerate(ks) if k > j]
+            index = to_device(live, torch.int64, device)  # a host list as an index would sync
             logits, out = self._run(self.draft_graphs, [[0]] * len(live),
                                     [self.next_position(reqs[b], j) for b in live], [pages[b] for b in live],
-                                    None if state is None else state[live], tokens[live, j - 1])
+                                    None if state is None else state[index], tokens[index, j - 1])
             if state is not None:
-                state[live] = out
-            tokens[live, j] = self._sample(logits, st.select(live), counters[live] + j, probs, rows_t[live], j)
+                state[index] = out
+            tokens[index, j] = self._sample(logits, st.select(live), counters[index] + j, probs, rows_t[index], j)
         for r, k in zip(reqs, ks):
             r.num_absorbed = self.absorbed(r, k)
         return [row[:k] for row, k in zip(tokens.tolist(), ks)], probs
