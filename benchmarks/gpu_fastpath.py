@@ -9,8 +9,8 @@ with random weights (bf16): batch-1 decode, offline 256 x (128 in, 128 out) agai
 transformers' static-cache generate in the same run, a proposer configured at K = 0 vs
 none, an EAGLE-3-shaped head with SIMULATED acceptance (0.8, K = 4) vs plain, and the
 scheduler's Python time per step at 256 requests, and where a decode step's time goes
-at batch 1 and 256, and of a speculative step at batch 1 (torch profiler: GPU busy vs
-idle, top kernels). Prints a table last; writes JSON to
+at batch 1 and 256, and with a proposer at K = 0 and K = 4 at batch 1 (torch profiler:
+GPU busy vs idle, top kernels and host ops). Prints a table last; writes JSON to
 $OUT/gpu_fastpath.json.
 """
 
@@ -279,8 +279,7 @@ def main():
             if cfg.get("policy") == "off":
                 speed[f"{name}_b64"] = decode_rate(llm, mid, new_tokens)
             speed[f"{name}_b1"]["spec"] = llm.engine.stats()["spec"]
-            if cfg.get("simulate_acceptance"):
-                speed["profile_eagle3_b1"] = where_time_goes(llm, one)
+            speed[f"profile_{name}_b1"] = where_time_goes(llm, one)
             del llm
             free_memory()
 
@@ -314,7 +313,7 @@ def main():
     if "scheduler_overhead" in s:
         o = s["scheduler_overhead"]
         rows.append(("scheduler host time / step at full batch", f"{o['host_ms']:.2f} / {o['step_ms']:.2f} ms = {o['fraction']:.1%}"))
-    for key in ("profile_b1", "profile_full_batch", "profile_eagle3_b1"):
+    for key in ("profile_b1", "profile_full_batch", "profile_eagle3_off_b1", "profile_eagle3_sim08_k4_b1"):
         if key in s:
             o = s[key]
             rows.append((f"{key}: step / GPU busy / GPU idle (ms)",
