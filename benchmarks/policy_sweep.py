@@ -8,8 +8,18 @@ with probability a, whatever its value), so the numbers measure cost, not drafti
 Each concurrency level c runs c requests of 128 prompt + 128 output tokens at once
 (offline, in-process). The bursty load alternates phases of 1 and 128 concurrent requests.
 All policies of one acceptance level share one engine (the policy object is swapped), so
-ratios compare like with like. Writes $OUT/policy_sweep.json and goodput's decision log per acceptance level
-($OUT/decisions_a*.jsonl: one JSON line per step); prints a table last.
+ratios compare like with like; goodput keeps what it learned from one cell to the next.
+
+A single pass differs from the next by 5-20% per cell, so every (policy, load) cell runs
+twice: the policies in one order, then in the reverse one (drift over the run, and what
+the previous cell left in the prefix cache, fall on each policy alike), and within a pass
+every policy meets the same accept/reject draws (fixed request seeds; the second pass
+draws others). The table gives each cell's mean with its spread (half the distance
+between the two runs, in % of the mean) and goodput / best fixed policy from the means;
+the JSON keeps both runs. Kept at 128 + 128 tokens, as in earlier runs: the whole sweep
+took 205-220 s on an H200. Writes $OUT/policy_sweep.json and goodput's decision log per
+acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; written
+on local disk during the run, then copied); prints the table last.
 """
 
 from __future__ import annotations
@@ -17,25 +27,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from gpu_fastpath import LLAMA_8B, SMOKE, greedy, random_prompts, free_memory, write_eagle_dir, write_model_dir
-from tidal import LLM
+from gpu_fastpath import LLAMA_8B, SMOKE, random_prompts, free_memory, write_eagle_dir, write_model_dir
+from tidal import LLM, SamplingParams
 from tidal.spec.policy import Fixed, Off
 
 
-def throughput(llm, phases, prompt_len, new_tokens, vocab):
-    """Output tokens per second over a sequence of phases (concurrency levels)."""
+def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
+    """Output tokens per second over a sequence of phases (concurrency levels). Request j of
+    phase i has seed (seed, i, j): with simulated acceptance the seed and the output index
+    decide every accept test, so policies run with the same seed meet the same luck."""
     tokens, start = 0, time.perf_counter()
     drafted = llm.engine.stats()["spec"]["num_drafted"]
     for i, c in enumerate(phases):
-        outs = llm.generate(random_prompts(c, prompt_len, vocab, seed=100 + i), greedy(new_tokens), use_tqdm=False)
+        params = [SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, seed=(seed * 8 + i) * 1024 + j)
+                  for j in range(c)]
+        outs = llm.generate(random_prompts(c, prompt_len, vocab, seed=100 + i), params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     seconds = time.perf_counter() - start
     steps_drafted = llm.engine.stats()["spec"]["num_drafted"] - drafted
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "drafted": steps_drafted}
+
+
+NAMES = ("off", "fixed:1", "fixed:2", "fixed:4", "goodput")
 
 
 def main():
@@ -47,49 +65,55 @@ def main():
     levels = (1, 4) if args.smoke else (1, 10, 70, 250)
     bursty = (1, 8, 1, 8) if args.smoke else (1, 128, 1, 128)
     prompt_len, new_tokens = (16, 16) if args.smoke else (128, 128)
+    loads = {**{f"c={c}": (c,) for c in levels}, "bursty": bursty}
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"note": "random weights, EAGLE-3-shaped head, SIMULATED acceptance", "runs": {}}
+    results = {"note": "random weights, EAGLE-3-shaped head, SIMULATED acceptance; each cell run twice",
+               "runs": {}}
     max_seqs = max(max(levels), max(bursty))
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, eagle_dir = write_model_dir(Path(tmp), shape), write_eagle_dir(Path(tmp), shape)
         for acc in (0.6, 0.8):
             sc = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4,
                   "policy": "goodput", "simulate_acceptance": acc,
-                  "decision_log": str(out_dir / f"decisions_a{acc}.jsonl")}
+                  "decision_log": str(Path(tmp) / f"decisions_a{acc}.jsonl")}  # local disk: $OUT may be slow
             llm = LLM(model=str(model_dir), speculative_config=sc, device=device, load_format="dummy",
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=1024,
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
             goodput = llm.engine.scheduler.policy
-            policies = {"off": Off(), "fixed:1": Fixed(1), "fixed:2": Fixed(2), "fixed:4": Fixed(4), "goodput": goodput}
+            policies = dict(zip(NAMES, (Off(), Fixed(1), Fixed(2), Fixed(4), goodput)))
             for warm in (Fixed(4), Off()):  # compile every kernel shape before timing
                 llm.engine.scheduler.policy = warm
                 throughput(llm, bursty, prompt_len, 16, shape["vocab_size"])
-            for name, policy in policies.items():
-                llm.engine.scheduler.policy = policy
-                for c in levels:
-                    r = throughput(llm, (c,), prompt_len, new_tokens, shape["vocab_size"])
-                    results["runs"][f"a={acc} {name} c={c}"] = r
-                    print(f"a={acc} {name:8} c={c:<4} {r['tok_s']:9.0f} tok/s", flush=True)
-                r = throughput(llm, bursty, prompt_len, new_tokens, shape["vocab_size"])
-                results["runs"][f"a={acc} {name} bursty"] = r
-                print(f"a={acc} {name:8} bursty {r['tok_s']:9.0f} tok/s", flush=True)
+            for repeat, order in enumerate((NAMES, NAMES[::-1])):
+                for name in order:
+                    llm.engine.scheduler.policy = policies[name]
+                    for load, phases in loads.items():
+                        r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
+                        results["runs"].setdefault(f"a={acc} {name} {load}", []).append(r)
+                        print(f"a={acc} {name:8} {load:6} {r['tok_s']:9.0f} tok/s", flush=True)
             results[f"policy_stats a={acc}"] = llm.engine.stats().get("policy")
             del llm, goodput, policies
             free_memory()
+            shutil.copy(Path(tmp) / f"decisions_a{acc}.jsonl", out_dir)
+    results["seconds"] = time.perf_counter() - start
 
     table = []
     for acc in (0.6, 0.8):
-        for load in [f"c={c}" for c in levels] + ["bursty"]:
-            row = {n: results["runs"][f"a={acc} {n} {load}"]["tok_s"] for n in ("off", "fixed:1", "fixed:2", "fixed:4", "goodput")}
-            best = max(v for n, v in row.items() if n != "goodput")
-            table.append((acc, load, row, row["goodput"] / best))
-    results["table"] = [{"acceptance": a, "load": l, **row, "goodput_vs_best_fixed": r} for a, l, row, r in table]
+        for load in loads:
+            runs = {n: [r["tok_s"] for r in results["runs"][f"a={acc} {n} {load}"]] for n in NAMES}
+            mean = {n: sum(v) / len(v) for n, v in runs.items()}
+            best = max(v for n, v in mean.items() if n != "goodput")
+            table.append({"acceptance": acc, "load": load, **mean, "goodput_vs_best_fixed": mean["goodput"] / best,
+                          "min": {n: min(v) for n, v in runs.items()}, "max": {n: max(v) for n, v in runs.items()}})
+    results["table"] = table
     (out_dir / "policy_sweep.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\n{'acc':>4} {'load':>7} {'off':>8} {'fixed:1':>8} {'fixed:2':>8} {'fixed:4':>8} {'goodput':>8} {'gp/best':>8}")
-    for acc, load, row, r in table:
-        print(f"{acc:>4} {load:>7} " + " ".join(f"{row[n]:8.0f}" for n in ("off", "fixed:1", "fixed:2", "fixed:4", "goodput"))
-              + f" {r:8.3f}")
+    print(f"\ntok/s, mean of 2 runs +- half their spread; gp/best from the means ({results['seconds']:.0f} s in all)")
+    print(f"{'acc':>4} {'load':>7} " + " ".join(f"{n:>13}" for n in NAMES) + f" {'gp/best':>8}")
+    for row in table:
+        cells = (f"{row[n]:9.0f} {50 * (row['max'][n] - row['min'][n]) / row[n]:2.0f}%" for n in NAMES)
+        print(f"{row['acceptance']:>4} {row['load']:>7} " + " ".join(cells) + f" {row['goodput_vs_best_fixed']:8.3f}")
 
 
 if __name__ == "__main__":

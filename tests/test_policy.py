@@ -1,8 +1,9 @@
 """Speculation policies. The goodput policy's decisions against injected cost models (free
 verification, cost linear in tokens, requests that differ, a steady load, probes, waiting
-prompts, KV headroom); the cost and acceptance models' online learning; the table policy;
-bad input; and end to end on a tiny model: losslessness, start-up profiling, the decision
-log, and K moving from long at concurrency 1 toward 0 at concurrency 32."""
+prompts, prompt tokens sharing the step, the drafter's catch-up, KV headroom); the cost and
+acceptance models' online learning; the table policy; bad input; and end to end on a tiny
+model: losslessness, start-up profiling, the decision log, and K moving from long at
+concurrency 1 toward 0 at concurrency 32."""
 
 import json
 import random
@@ -51,6 +52,16 @@ def make_requests(n):
     return [Request(str(i), None, [3, 4, 5, 6], SamplingParams(max_tokens=10**6), 0, ()) for i in range(n)]
 
 
+def unabsorbed(n, history, max_tokens=10**6):
+    """Requests with `history` tokens in the target's cache that the drafter has not seen
+    (a long prompt, or many steps at K = 0)."""
+    reqs = [Request(str(i), None, list(range(history + 1)), SamplingParams(max_tokens=max_tokens), 0, ())
+            for i in range(n)]
+    for req in reqs:
+        req.num_computed = history
+    return reqs
+
+
 def step(policy, reqs, acceptance, rng, limit=K):
     """One decision and its outcome: request i accepts each draft with chance acceptance[i]."""
     ks = policy.choose(reqs, [limit] * len(reqs), 0)
@@ -86,8 +97,9 @@ def test_no_drafts_when_cost_grows_with_tokens(batch):
         step(policy, reqs, [0.9] * batch, rng)
     assert policy.acceptance.server()[0] > 0.75
     policy.cost = linear()
-    for _ in range(20):
-        assert step(policy, reqs, [0.9] * batch, rng) == [0] * batch
+    probes = policy.num_probes
+    drafts = sum(sum(step(policy, reqs, [0.9] * batch, rng)) for _ in range(20))
+    assert drafts == policy.num_probes - probes <= 5 * batch  # one-token probes now and then, nothing else
 
 
 def test_requests_that_accept_more_draft_more():
@@ -117,7 +129,7 @@ def test_probe_refreshes_a_request_stuck_at_zero():
     policy, rng = Goodput(overhead_plus_tokens(), K, probe_interval=8), random.Random(0)
     reqs = make_requests(1)
     history = [step(policy, reqs, [0.0], rng)[0] for _ in range(40)]
-    assert history[-20:].count(0) >= 17 and policy.num_probes > 0  # at K = 0 but for probes
+    assert history[-20:].count(0) >= 14 and policy.num_probes > 0  # at K = 0 but for probes
     for _ in range(60):  # its drafts start being accepted: the probes notice
         k = step(policy, reqs, [1.0], rng)[0]
     assert k == K
@@ -137,6 +149,43 @@ def test_probes_are_rarer_where_verification_is_expensive():
             step(policy, reqs, [0.0] * 64, rng)  # nothing is ever accepted: K = 0 but for probes
         probes.append(policy.num_probes)
     assert 0 < probes[0] < probes[1]
+
+
+def test_a_probe_that_must_absorb_a_long_history_waits():
+    """Probing a request whose drafter missed 1,000 tokens costs a catch-up ten plain steps
+    long: where that is the price, the request is left at K = 0."""
+    probes = []
+    for seconds_per_token in (0.0, 1e-4):
+        model = overhead_plus_tokens()
+        model.catch_up_token = seconds_per_token
+        policy, rng = Goodput(model, K, probe_interval=8), random.Random(0)
+        reqs = unabsorbed(4, 1000)
+        for _ in range(100):
+            step(policy, reqs, [0.0] * 4, rng)
+        probes.append(policy.num_probes)
+    assert probes[0] > 0 and probes[1] == 0
+
+
+def test_catch_up_pays_for_the_steps_a_request_has_left():
+    """A drafter that missed 500 tokens per request takes 80 ms (eight plain steps) to catch
+    up. Spread over a long remaining life that is cheap, so a fresh request starts drafting;
+    for requests about to finish it is not worth it, nor while prompts still wait for the
+    step's budget (the batch is growing)."""
+    model = cost(lambda b, w: 0.010 + 1e-5 * b * w)
+    model.catch_up_token = 1e-5
+    for tokens_left, drafts in ((10**6, True), (4, False)):
+        ks = Goodput(model, K).choose(unabsorbed(16, 500, tokens_left), [min(K, tokens_left - 1)] * 16, 0)
+        assert (sum(ks) > 0) is drafts, tokens_left
+    assert sum(Goodput(model, K, demand=lambda limit: limit).choose(unabsorbed(16, 500), [K] * 16, 100)) == 0
+
+
+def test_prompt_tokens_in_the_step_make_drafts_dearer():
+    """1,000 prompt tokens share the step, within its budget: it is compute-bound, so a draft
+    costs what a prompt token costs rather than nothing; fewer drafts pay."""
+    reqs = make_requests(16)
+    alone = Goodput(roofline(256), K).choose(reqs, [K] * 16, 0)
+    shared = Goodput(roofline(256), K, demand=lambda limit: min(1000, limit)).choose(reqs, [K] * 16, 3)
+    assert 0 < sum(shared) < sum(alone) == 16 * K
 
 
 def test_waiting_prompts_make_drafts_cost_more():
@@ -199,6 +248,21 @@ def test_cost_model_moves_every_width_with_the_plain_step():
         observe_shape(model, 8, 1, true_cost(8, 1) + 0.004)
     after = float(model.step_time(8, 16, 2, 8, 0))
     assert after - before == pytest.approx(0.004, rel=0.2)
+
+
+def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
+    """A step whose drafter catches up over 10,000 tokens, or that carries a prompt chunk,
+    is priced as such: neither raises the price of a plain decode step."""
+    model = CostModel.from_function(true_cost, *grid_axes(16, 4), catch_up_fixed=0.003, catch_up_token=1e-6)
+    plain = float(model.step_time(8, 0, 0, 0, 0))
+    resuming = float(model.step_time(8, 16, 2, 8, 0, catch_up=10_000))
+    assert resuming - float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(0.003 + 0.01)
+    for _ in range(30):
+        model.observe(8, 16, 2, 8, 0, resuming, catch_up=10_000)
+        model.observe(8, 0, 0, 0, 0, 3e-4 * 1008, prefill=1000)  # prompt tokens cost 0.3 ms each
+    assert float(model.step_time(8, 0, 0, 0, 0)) == pytest.approx(plain)
+    assert model.token_cost() == pytest.approx(3e-4, rel=0.05)
+    assert float(model.step_time(8, 0, 0, 0, 0, prefill=2000)) == pytest.approx(3e-4 * 2008, rel=0.05)
 
 
 # -- configuration --------------------------------------------------------------------------
@@ -292,6 +356,7 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     assert np.isfinite(model.grid).all() and (model.grid > 0).all()
     assert (np.diff(model.grid, axis=0) >= 0).all() and (np.diff(model.grid, axis=1) >= 0).all()
     assert (model.draft_step + model.draft_fixed > 0).all()  # a draft model is not free
+    assert model.catch_up_token > 0 and model.catch_up_fixed >= 0  # nor is absorbing what it missed
     got, stats = generate(llm, PROMPTS, GREEDY)
     assert got == plain
     policy = stats["policy"]
@@ -299,7 +364,7 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     assert policy["step_time"]["num_observed"] > 0 and policy["step_time"]["observed_s"] > 0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == policy["num_decisions"]
-    assert {"batch", "k", "predicted_s", "observed_s", "accepted"} <= set(lines[-1])
+    assert {"batch", "k", "predicted_s", "observed_s", "accepted", "catch_up"} <= set(lines[-1])
 
 
 def mean_k(stats):

@@ -1,14 +1,22 @@
-"""What a decode step costs, in seconds, as a function of the K chosen for it.
+"""What a step costs, in seconds, as a function of the K chosen for it.
 
     step_time = target(B, width) + context_cost * (context - B * context_ref) + proposer(B_d, K_max)
+                + catch_up(tokens)
 
 - target: a grid over batch size B and width (query tokens per request), measured at
   start-up on the real device and interpolated. Without CUDA graphs the width is the
-  mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K).
+  mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K). When
+  prefill chunks share the step, it costs at least what its tokens cost in a compute-bound
+  step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing.
 - context: attention reads every token of every request's context; `context_ref` is the
   context per request the grid was measured at.
 - proposer: a fixed cost plus one per draft step (draft models run one forward per
   position), over the B_d requests that draft.
+- catch-up: a drafter with a cache of its own absorbs, before drafting, the tokens it
+  missed (K = 0 steps, or a whole prompt). Up to K + 1 per request is part of every
+  proposal; beyond that it runs a longer pass (a fixed cost) over the extra tokens (a cost
+  per token). After 100 steps at K = 0, 250 requests resuming drafting absorb 25,000
+  tokens: several plain steps' worth.
 
 Each observed decode step corrects the prediction toward what the step really took, in
 two parts: a level per batch size, shared by every width (the engine's own overheads, a
@@ -16,7 +24,8 @@ busier machine: these move all shapes alike), then what is left over to the grid
 around the step's shape (what the profile got wrong about that shape). Each is a running
 mean at first, then an exponential average. With no profile the grid starts at zero and
 is learned the same way: an unseen width looks as cheap as the plain step, so the policy
-tries it once and from then on knows its price.
+tries it once and from then on knows its price. A step that carries prefill chunks
+corrects only the price of a compute-bound token, and only when that price sets its time.
 """
 
 from __future__ import annotations
@@ -48,8 +57,9 @@ def bracket(x: float, points: np.ndarray) -> tuple[int, int, float]:
 
 class CostModel:
     def __init__(self, batch_sizes, widths, grid=None, *, padded: bool = False, context_ref: float = 0.0,
-                 context_cost: float = 0.0, draft_fixed=None, draft_step=None, correct_online: bool = True,
-                 rate: float = 0.05, source: str = "given"):
+                 context_cost: float = 0.0, draft_fixed=None, draft_step=None, catch_up_fixed: float = 0.0,
+                 catch_up_token: float = 0.0, correct_online: bool = True, rate: float = 0.05,
+                 source: str = "given"):
         self.batch_sizes = np.asarray(batch_sizes, dtype=float)
         self.widths = np.asarray(widths, dtype=float)
         shape = (len(self.batch_sizes), len(self.widths))
@@ -58,12 +68,17 @@ class CostModel:
         self.weight = np.zeros(shape) if grid is None else np.ones(shape)
         self.level = np.zeros(shape[0])
         self.level_weight = np.zeros(shape[0])
+        # Seconds per token of a compute-bound step: the largest shape's at first.
+        self.token_price = self.grid[-1:, -1] / (self.batch_sizes[-1] * self.widths[-1])
+        self.token_weight = self.weight[-1:, -1].copy()
         self.padded = padded
         self.context_ref = context_ref
         self.context_cost = context_cost
         zeros = np.zeros(len(self.batch_sizes))
         self.draft_fixed = zeros if draft_fixed is None else np.asarray(draft_fixed, dtype=float)
         self.draft_step = zeros if draft_step is None else np.asarray(draft_step, dtype=float)
+        self.catch_up_fixed = catch_up_fixed
+        self.catch_up_token = catch_up_token
         self.correct_online = correct_online
         self.rate = rate
         self.source = source
@@ -77,34 +92,60 @@ class CostModel:
     def _width(self, batch, num_drafts, max_draft):
         return 1 + max_draft if self.padded else 1 + num_drafts / batch
 
-    def step_time(self, batch: int, num_drafts, max_draft, num_drafting, context: float):
-        """Seconds for a decode step of `batch` requests with `num_drafts` drafts in all, the
-        longest `max_draft`, drafted by `num_drafting` requests; `context` is the sum of the
-        requests' lengths before this step. Array arguments give one time per candidate."""
-        num_drafts = np.asarray(num_drafts, dtype=float)
-        max_draft = np.asarray(max_draft, dtype=float)
+    def _target(self, batch, num_drafts, max_draft):
+        """The target's forward for a decode step of this shape, from the grid."""
         lo, hi, f = bracket(batch, self.batch_sizes)
         row = (1 - f) * (self.grid[lo] + self.level[lo]) + f * (self.grid[hi] + self.level[hi])
-        target = np.interp(self._width(batch, num_drafts, max_draft), self.widths, row)
+        return np.interp(self._width(batch, num_drafts, max_draft), self.widths, row)
+
+    def step_time(self, batch: int, num_drafts, max_draft, num_drafting, context: float, prefill=0, catch_up=0):
+        """Seconds for a step of `batch` decoding requests with `num_drafts` drafts in all, the
+        longest `max_draft`, drafted by `num_drafting` requests whose drafter has `catch_up`
+        tokens to absorb beyond K + 1 per request; `context` is the sum of the decoding
+        requests' lengths before this step, and `prefill` prompt tokens share the step. Array
+        arguments give one time per candidate."""
+        num_drafts = np.asarray(num_drafts, dtype=float)
+        max_draft = np.asarray(max_draft, dtype=float)
+        prefill = np.asarray(prefill, dtype=float)
+        target = self._target(batch, num_drafts, max_draft)
+        if prefill.any():
+            target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill)), target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
         drafting = (np.interp(num_drafting, self.batch_sizes, self.draft_fixed)
                     + max_draft * np.interp(num_drafting, self.batch_sizes, self.draft_step))
-        return np.maximum(target + attention + np.where(np.asarray(num_drafting) > 0, drafting, 0.0), 1e-6)
+        drafting = np.where(np.asarray(num_drafting) > 0, drafting, 0.0)
+        return np.maximum(target + attention + drafting + self.catch_up_time(catch_up), 1e-6)
+
+    def catch_up_time(self, tokens):
+        """Seconds for the drafter to absorb `tokens` beyond K + 1 per request: a longer pass
+        than the usual proposal (on the GPU an eager one, past the captured widths) and
+        its tokens."""
+        tokens = np.asarray(tokens, dtype=float)
+        if not tokens.any():
+            return 0.0
+        return np.where(tokens > 0, self.catch_up_fixed + self.catch_up_token * tokens, 0.0)
 
     def token_cost(self) -> float:
-        """Seconds per token of the largest shape on the grid: what a token costs in a full,
-        compute-bound step."""
-        return float((self.grid[-1, -1] + self.level[-1]) / (self.batch_sizes[-1] * self.widths[-1]))
+        """Seconds per token of a compute-bound step (the largest shape on the grid's, then
+        learned from steps that carry prefill chunks)."""
+        return float(self.token_price[0])
 
     def observe(self, batch: int, num_drafts: int, max_draft: int, num_drafting: int, context: float,
-                seconds: float) -> float:
+                seconds: float, prefill: int = 0, catch_up: int = 0) -> float:
         """Correct the model by this step's prediction error; returns the prediction."""
-        predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context))
+        predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill, catch_up))
         if not self.correct_online:
+            return predicted
+        error = seconds - predicted
+        if prefill:
+            tokens = batch + num_drafts + prefill
+            if self.token_weight[0] == 0:
+                self._learn(self.token_price, self.token_weight, ((0, 1.0),), error / tokens)
+            elif self.token_cost() * tokens >= self._target(batch, num_drafts, max_draft):
+                self._learn(self.token_price, self.token_weight, ((0, 1.0),), min(error, predicted) / tokens)
             return predicted
         b0, b1, f = bracket(batch, self.batch_sizes)
         w0, w1, g = bracket(self._width(batch, num_drafts, max_draft), self.widths)
-        error = seconds - predicted
         if self.level_weight[b0] > 0 and self.level_weight[b1] > 0:
             error = min(error, predicted)  # one slow step (a pause, a page fault) at most doubles the belief
         error -= self._learn(self.level, self.level_weight, ((b0, 1 - f), (b1, f)), error)
@@ -150,12 +191,14 @@ def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len:
         drafts = [[0] * (w - 1) for _ in range(b)]
         return timed(lambda: runner.execute(plan, drafts), runner.device)
 
-    def run_proposer(b, k):
-        plan = dummy_plan(b, ctx, k, runner.num_pages, runner.page_size)
+    def run_proposer(b, k, backlog=1):
+        """The proposer on b rows whose drafter has `backlog` tokens to absorb first."""
+        context = max(ctx, backlog)
+        plan = dummy_plan(b, context, k, runner.num_pages, runner.page_size)
 
         def propose():
             for r in plan.requests:
-                r.num_absorbed = ctx - 1
+                r.num_absorbed = context - backlog
             proposer.propose(plan, list(range(b)))
         return timed(propose, runner.device)
 
@@ -167,6 +210,15 @@ def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len:
     if ctx_long > 2 * ctx:
         short, long = run_target(b_ctx, 1), run_target(b_ctx, 1, ctx_long)
         context_cost = max(0.0, (long - short) / (b_ctx * (ctx_long - ctx)))
+    # Catch-up, for a drafter with a cache of its own (nor can a grid point stand in for it):
+    # the same rows absorbing one token more than a proposal after a verify step, and many.
+    catch_up_fixed = catch_up_token = 0.0
+    usual_backlog, long_backlog = max_draft_len + 1, min(256, ctx_long)
+    if proposer.bytes_per_page and long_backlog > 2 * usual_backlog:
+        usual, past = run_proposer(b_ctx, 1), run_proposer(b_ctx, 1, usual_backlog + 1)
+        many = run_proposer(b_ctx, 1, long_backlog)
+        catch_up_token = max(0.0, (many - past) / (b_ctx * (long_backlog - usual_backlog - 1)))
+        catch_up_fixed = max(0.0, past - usual - catch_up_token * b_ctx)
     grid = np.full((len(batch_sizes), len(widths)), np.nan)
     draft_ks = sorted({1, max_draft_len})
     drafts = np.full((len(batch_sizes), len(draft_ks)), np.nan)
@@ -189,6 +241,7 @@ def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len:
     fixed = np.maximum(first - step, 0.0)
     return CostModel(batch_sizes, widths, grid, padded=getattr(runner, "graphs", None) is not None,
                      context_ref=ctx, context_cost=context_cost, draft_fixed=fixed, draft_step=step,
+                     catch_up_fixed=catch_up_fixed, catch_up_token=catch_up_token,
                      source=f"profile: {measured} shapes in {time.perf_counter() - start:.2f} s")
 
 

@@ -91,18 +91,32 @@ class Goodput:
         longer K);
       - the same K for every request (what pays when CUDA graphs pad each row to the
         widest one).
-    K = 0 for everyone is the first candidate of the first family. The previous decision
-    is kept unless the new one is better by `hysteresis`, and a request that has not
-    drafted for `probe_interval` steps drafts one token now and then, so that its
-    acceptance estimate does not stay stale where it was left: when the drafter runs
-    anyway, or every `probe_interval` steps, stretched where a probe step costs more than
-    `probe_overhead` of a plain one (under CUDA graphs at high load it widens every row).
+    K = 0 for everyone is the first candidate of the first family.
+
+    Two things the step's decodes did not cause still shape it:
+      - prompt tokens share the step (`demand`: the scheduler gives them the budget the
+        decodes leave). They are computed anyway, so the best rate is taken over the steps
+        without them; with them, a candidate scores the tokens it makes beyond what that
+        rate would buy in its seconds (Dinkelbach; without prompt tokens the best rate wins,
+        with score 0). A draft then pays where it buys tokens cheaper than a decode-only step
+        would: rarely where the prompt tokens make the step compute-bound. A draft that takes
+        budget a prompt wants pushes a prompt token to a later step, at the same price.
+      - a drafter that missed tokens (K = 0 steps, a fresh prompt) absorbs them before it
+        drafts. That pays for the request's drafting steps to come, so the price is spread
+        over the steps the request has left at its K limit, at most `horizon`: a request
+        about to finish is not worth resuming, a fresh one still starts. Not while prompts
+        wait for the step's budget, though: the batch is still growing, and drafting that
+        pays at this load may not at the one to come, so the catch-up is charged in full.
+
+    The previous decision is kept unless the new one is better by `hysteresis`, and a
+    request at K = 0 drafts one token now and then (a probe, see `_probe`), so that its
+    acceptance estimate does not stay stale where it was left.
     """
 
     name = "goodput"
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
-                 demand: Callable[[int], int] | None = None, hysteresis: float = 0.03,
+                 demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, horizon: int = 64,
                  probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  decision_log: str | None = None):
         self.cost = cost
@@ -111,12 +125,14 @@ class Goodput:
         self.pool = pool          # KV headroom: drafts never take pages a preemption would have to free
         self.demand = demand      # demand(limit): prompt tokens that want this step's budget, counted up to limit
         self.hysteresis = hysteresis
+        self.horizon = horizon    # most steps a catch-up is expected to serve
         self.probe_interval = probe_interval
         self.max_probes = max_probes
-        self.probe_overhead = probe_overhead  # a probe step this much dearer than a plain one stretches the interval
+        self.probe_overhead = probe_overhead  # a probe that costs this much of a step comes every probe_interval steps
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.requested: dict[Request, int] = {}  # this step's decision with probes (what observe compares to)
+        self.catch_up = 0                        # tokens past K + 1 per request the drafter absorbs this step
         self.steps_since_drafting = 0
         self.decision: dict = {}
         self.num_decisions = self.num_held = self.num_probes = self.num_timed = 0
@@ -132,44 +148,76 @@ class Goodput:
         limit = np.asarray(limits, dtype=np.int64)
         rows = self.acceptance.rows(requests)
         self.acceptance.age[rows] += 1
-        context = sum(r.num_tokens for r in requests)
+        length, prompt, missed, most = np.array([(len(r.token_ids), r.num_prompt_tokens, r.num_computed - r.num_absorbed,
+                                                  r.params.max_tokens) for r in requests]).T
+        context = int(length.sum())
+        left = most - (length - prompt)  # tokens the request may still produce
+        backlog = np.maximum(missed - self.acceptance.max_draft_len - 1, 0)  # past what a verify step leaves
         cap = self._draft_cap(b)
+        room = max(self.token_budget - b, 0)
+        demand = min(self.demand(room), room) if self.demand else 0
+        gain = np.cumprod(self.acceptance.estimates(rows)[:, :limit.max()], axis=1)
+        gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
+
         ks, rate, held = np.zeros(b, dtype=np.int64), 0.0, False
         if cap > 0 and limit.max() > 0:
-            gain = np.cumprod(self.acceptance.estimates(rows)[:, :limit.max()], axis=1)
-            gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
-            charge = self._displacement(cap)
+            steps_left = np.clip(left / (1 + gain.sum(axis=1)), 1, self.horizon if demand < room else 1)
+            # What each request brings to the step if it drafts: itself, its catch-up, the share of it charged now.
+            brings = np.stack([np.ones(b), backlog, backlog / steps_left], axis=1)
 
-            def seconds(n, longest, drafting):
-                return self.cost.step_time(b, n, longest, drafting, context) + charge(n)
+            def seconds(n, longest, drafting, prompt=0):
+                """A candidate's seconds: its step, shared with up to `prompt` tokens of prefill
+                (those its drafts push out cost as much in a later step), and the share of its
+                catch-up charged now."""
+                count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
+                shared = np.minimum(np.maximum(room - n, 0), prompt)
+                step = self.cost.step_time(b, n, longest, count, context, shared)
+                return (step + self.cost.token_cost() * (prompt - shared)
+                        + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
 
-            ks, rate = self._search(gain, limit, seconds, cap)
+            tokens, n, longest, drafting, ks_of = self._candidates(gain, limit, brings, cap)
+            alone = seconds(n, longest, drafting)
+            rates = tokens / alone
+            best = float(rates.max())  # tokens per second of the best step without prefill
+
+            def score(tokens, shape, alone):
+                """Tokens beyond what the best rate would buy in the candidate's seconds with the
+                prefill (Dinkelbach): without prefill the best rate scores 0 and wins; with it, a
+                draft pays where it buys tokens cheaper than that rate."""
+                return tokens - best * (seconds(*shape, demand) if demand else alone)
+
+            scores = score(tokens, (n, longest, drafting), alone)
+            j = int(np.argmax(scores))
+            ks, rate = ks_of(j), float(rates[j])
             previous = np.minimum([self.previous.get(r, k) for r, k in zip(requests, ks.tolist())], limit)
             if not np.array_equal(previous, ks) and previous.sum() <= cap:
-                kept = self._rate(gain, previous, seconds)
-                if rate < kept * (1 + self.hysteresis):
-                    ks, rate, held = previous, kept, True
+                tokens, *shape = self._shape(gain, brings, previous)
+                alone = float(seconds(*shape))
+                if score(tokens, shape, alone) + self.hysteresis * best * alone >= scores[j]:
+                    ks, rate, held = previous, tokens / alone, True
         self.previous = dict(zip(requests, ks.tolist()))
-        # Probes cost drafts, a drafter run and (with CUDA graphs) a wider step for everyone:
-        # the dearer that is, the rarer they come, so that they take about
-        # probe_overhead / probe_interval of the time (a drafting step carries them for free).
-        interval = self.probe_interval
-        if not ks.any():
-            n = min(self.max_probes, int(np.count_nonzero(self.acceptance.age[rows] >= interval)))
-            extra = self.cost.step_time(b, n, 1, n, context) / self.cost.step_time(b, 0, 0, 0, context) - 1
-            interval *= max(1.0, float(extra) / self.probe_overhead)
-        ks, probes = self._probe(ks, limit, rows, cap, interval)
+
+        def worth(ks):
+            """Seconds of the step, catch-up in full, and its expected tokens."""
+            n = int(ks.sum())
+            seconds = self.cost.step_time(b, n, ks.max(), np.count_nonzero(ks), context,
+                                          min(max(room - n, 0), demand), backlog[ks > 0].sum())
+            return float(seconds), b + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
+
+        ks, probes = self._probe(ks, limit, rows, cap, worth)
         self.requested = dict(zip(requests, ks.tolist()))
+        self.catch_up = int(backlog[ks > 0].sum())
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
         self.num_probes += len(probes)
         self.decision = {"step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(),
-                         "probes": probes, "held": held, "tokens_per_s": rate}
+                         "probes": probes, "held": held, "tokens_per_s": rate, "catch_up": self.catch_up}
         return ks.tolist()
 
     @staticmethod
-    def _search(gain, limit, seconds, cap):
-        """Best (K per request, tokens per second) over both candidate families."""
+    def _candidates(gain, limit, brings, cap):
+        """Both families of candidates: their expected tokens, their step's shape (drafts, the
+        longest, what the drafting requests bring) and ks_of(j), the K per request of the j-th."""
         b, width = gain.shape
         # The n likeliest drafts: order by gain, position-major so that a tie keeps a
         # request's earlier position first (each request's drafts stay a prefix).
@@ -178,25 +226,26 @@ class Goodput:
         pos = order // b
         tokens = b + np.concatenate([[0.0], np.cumsum(flat[order])])
         longest = np.concatenate([[0], np.maximum.accumulate(pos + 1)])
-        drafting = np.concatenate([[0], np.cumsum(pos == 0)])
-        rates = tokens / seconds(np.arange(len(order) + 1), longest, drafting)
-        n = int(np.argmax(rates))
-        ks, rate = np.bincount(order[:n] % b, minlength=b), float(rates[n])
+        drafting = np.cumsum(np.where((pos == 0)[:, None], brings[order % b], 0.0), axis=0)
+        drafting = np.concatenate([np.zeros((1, brings.shape[1])), drafting])
         # The same K = w for every request that may draft it.
         w = np.arange(1, width + 1)
         uniform = np.minimum(limit[:, None], w)
         total = uniform.sum(axis=0)
-        rates = (b + np.cumsum(gain, axis=1).sum(axis=0)) / seconds(total, w, np.count_nonzero(limit))
-        rates[total > cap] = 0.0
-        j = int(np.argmax(rates))
-        if rates[j] > rate:
-            ks, rate = uniform[:, j], float(rates[j])
-        return ks, rate
+        alike = np.where(total <= cap, b + np.cumsum(gain, axis=1).sum(axis=0), -np.inf)
+
+        def ks_of(j):
+            return np.bincount(order[:j] % b, minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
+
+        return (np.concatenate([tokens, alike]), np.concatenate([np.arange(len(order) + 1), total]),
+                np.concatenate([longest, w]), np.concatenate([drafting, np.tile(brings[limit > 0].sum(axis=0), (width, 1))]),
+                ks_of)
 
     @staticmethod
-    def _rate(gain, ks, seconds) -> float:
+    def _shape(gain, brings, ks):
+        """Expected tokens and step shape of one K per request."""
         tokens = len(ks) + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
-        return float(tokens / seconds(ks.sum(), ks.max(), np.count_nonzero(ks)))
+        return float(tokens), int(ks.sum()), int(ks.max()), brings[ks > 0].sum(axis=0)
 
     def _draft_cap(self, b: int) -> int:
         """Drafts that fit the step's token budget and the free KV slots."""
@@ -205,25 +254,35 @@ class Goodput:
             cap = min(cap, self.pool.num_free * self.pool.page_size - b)
         return max(cap, 0)
 
-    def _displacement(self, cap: int) -> Callable:
-        """Extra seconds for n drafts: a draft that takes budget a prompt wants pushes a
-        token of prefill to a later step, priced at what a token costs in a full step."""
-        spare = cap - (self.demand(cap) if self.demand else 0)
-        per_token = self.cost.token_cost()
-        return lambda n: per_token * np.maximum(np.asarray(n) - spare, 0)
+    def _probe(self, ks, limit, rows, cap, worth):
+        """Let the requests at K = 0 that have gone longest without drafting draft one token,
+        so that their acceptance estimates do not stay stale where they were left, when the
+        drafter runs anyway this step or has not run for `interval` steps.
 
-    def _probe(self, ks, limit, rows, cap, interval):
-        """Let the requests that have not drafted for longest draft one token, when the
-        drafter runs anyway this step or has not run for `interval` steps."""
-        stale = (ks == 0) & (limit > 0) & (self.acceptance.age[rows] >= interval)
+        A probe is priced at the time it adds beyond what its expected tokens are worth at
+        the step's rate: a draft, the drafter's catch-up over what the request missed and
+        (with CUDA graphs) a wider step for everyone, against the tokens it may win. The
+        interval is `probe_interval` for a probe that costs `probe_overhead` of a step, and
+        in proportion otherwise, so that probes take about probe_overhead / probe_interval
+        of the time: a request whose estimate almost pays is probed often (a run of
+        rejections cannot park it at K = 0 for good), one with a long history at high load
+        rarely."""
+        age = self.acceptance.age[rows]
+        idle = np.flatnonzero((ks == 0) & (limit > 0))
         room = min(self.max_probes, cap - int(ks.sum()))
-        if room <= 0 or not stale.any() or not (ks.any() or self.steps_since_drafting >= interval):
+        if room <= 0 or not len(idle):
             return ks, []
-        candidates = np.flatnonzero(stale)
-        chosen = candidates[np.argsort(-self.acceptance.age[rows[candidates]], kind="stable")[:room]]
-        ks = ks.copy()
-        ks[chosen] = 1
-        return ks, chosen.tolist()
+        chosen = idle[np.argsort(-age[idle], kind="stable")[:room]]
+        probed = ks.copy()
+        probed[chosen] = 1
+        (seconds, tokens), (probe_seconds, probe_tokens) = worth(ks), worth(probed)
+        interval = self.probe_interval * (probe_seconds / seconds - probe_tokens / tokens) / self.probe_overhead
+        chosen = chosen[age[chosen] >= interval]
+        if not len(chosen) or not (ks.any() or self.steps_since_drafting >= interval):
+            return ks, []
+        probed = ks.copy()
+        probed[chosen] = 1
+        return probed, chosen.tolist()
 
     # -- learning --------------------------------------------------------------------------
 
@@ -237,14 +296,18 @@ class Goodput:
                                    np.array([self.requested[reqs[i]] for i in drafting]),
                                    np.array([accepted[i] - 1 for i in drafting]))
         predicted = None
-        if all(n == 1 for n in plan.num_new_tokens):  # only decode shapes are on the cost grid
-            ks = plan.draft_lens
-            context = sum(r.num_computed + 1 for r in reqs)
-            predicted = self.cost.observe(len(reqs), sum(ks), max(ks), sum(k > 0 for k in ks), context, step_time)
+        decoding = [i for i, r in enumerate(reqs) if r in self.requested]
+        if decoding:  # rows the policy chose for; the rest are prefill chunks
+            ks = [plan.draft_lens[i] for i in decoding]
+            prefill = sum(plan.num_new_tokens) - len(decoding)
+            context = sum(reqs[i].num_computed + 1 for i in decoding)
+            predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
+                                          step_time, prefill, self.catch_up)
             miss = abs(predicted - step_time) / step_time
             self.error = miss if self.num_timed == 0 else 0.95 * self.error + 0.05 * miss
             self.predicted, self.observed = predicted, step_time
             self.num_timed += 1
+            self.decision["prefill"] = prefill
         if self.log and self.decision:
             self.decision.update(predicted_s=predicted, observed_s=step_time, drafted=list(plan.draft_lens),
                                  accepted=[n - 1 for n in accepted])
@@ -255,6 +318,8 @@ class Goodput:
         return {
             "name": self.name,
             "cost_model": self.cost.source,
+            "token_s": self.cost.token_cost(),
+            "catch_up_s": {"fixed": self.cost.catch_up_fixed, "per_token": self.cost.catch_up_token},
             "num_decisions": self.num_decisions,
             "num_held": self.num_held,
             "num_probes": self.num_probes,
