@@ -33,7 +33,7 @@ _tidal = types.ModuleType("tidal")
 _tidal.__path__ = [str(Path(__file__).resolve().parents[1] / "tidal")]
 sys.modules["tidal"] = _tidal
 
-from tidal.attention.torch_ref import causal_attention  # noqa: E402
+from tidal.attention.torch_ref import attend  # noqa: E402
 from tidal.attention.triton_attn import (  # noqa: E402
     AttentionConfig, TritonAttention, choose_config, paged_attention, store_kv,
 )
@@ -76,15 +76,14 @@ def check(q, k, v, cache, batch, tables, new_tokens) -> dict:
     store_ok = bool(torch.equal(flat[0, batch.slot_mapping], k)
                     and torch.equal(flat[1, batch.slot_mapping], v))
     out = paged_attention(q, cache, batch, SCALE)
-    seq_len = int(batch.seq_lens[0])
     sample = sorted({0, len(tables) // 3, len(tables) // 2, len(tables) - 1})
+    reference = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
+    attend(q, reference, cache, batch.page_table, batch.query_start_loc.tolist(), batch.seq_lens.tolist(),
+           sample, SCALE)
     max_abs, max_ref = 0.0, 0.0
     for i in sample:
         rows = slice(i * new_tokens, (i + 1) * new_tokens)
-        pages = torch.tensor(tables[i], device=DEVICE)
-        keys = cache[0, pages].flatten(0, 1)[:seq_len]
-        values = cache[1, pages].flatten(0, 1)[:seq_len]
-        ref = causal_attention(q[rows].float(), keys, values, SCALE)
+        ref = reference[rows]
         max_abs = max(max_abs, (out[rows].float() - ref).abs().max().item())
         max_ref = max(max_ref, ref.abs().max().item())
     rel = max_abs / max_ref

@@ -1,13 +1,17 @@
-"""Reference attention in plain torch: one request at a time, scores in float32.
+"""Reference attention in plain torch, scores in float32.
 
-It is slow and simple on purpose: it is the oracle the Triton kernels are tested against,
-and the CPU backend for tests."""
+It is simple on purpose: it is the oracle the Triton kernels are tested against, and the
+CPU backend. Requests with a few query tokens (decodes, verifications) are attended in one
+batched pass, padded to the longest context among them, because on the CPU a Python loop
+over requests would cost more than the arithmetic; a longer chunk (prefill) goes alone."""
 
 from __future__ import annotations
 
 import torch
 
 from tidal.batch import ForwardBatch
+
+BATCHED_QUERY_LEN = 16  # requests with at most this many query tokens share one pass
 
 
 class TorchAttention:
@@ -23,17 +27,13 @@ class TorchAttention:
         scale: float,
     ) -> torch.Tensor:
         store_kv(k, v, kv_cache, batch.slot_mapping)
-        page_size = kv_cache.shape[2]
         out = torch.empty_like(q)
-        starts = batch.query_start_loc.tolist()
-        for i, (seq_len, pages) in enumerate(zip(batch.seq_lens.tolist(), batch.page_table)):
-            start, end = starts[i], starts[i + 1]
-            if start == end:
-                continue
-            pages = pages[: (seq_len + page_size - 1) // page_size]
-            keys = kv_cache[0, pages].flatten(0, 1)[:seq_len]
-            values = kv_cache[1, pages].flatten(0, 1)[:seq_len]
-            out[start:end] = causal_attention(q[start:end], keys, values, scale)
+        starts, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
+        rows = [i for i in range(len(seq_lens)) if starts[i + 1] > starts[i]]
+        short = [i for i in rows if starts[i + 1] - starts[i] <= BATCHED_QUERY_LEN]
+        groups = ([short] if short else []) + [[i] for i in rows if i not in set(short)]
+        for group in groups:
+            attend(q, out, kv_cache, batch.page_table, starts, seq_lens, group, scale)
         return out
 
 
@@ -46,17 +46,26 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat[1, slots] = v[keep].to(kv_cache.dtype)
 
 
-def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n, Hq, D] are the last n positions of a context of keys/values [L, Hkv, D]:
-    query j sees keys 0 .. L - n + j. Grouped-query heads share a kv head."""
-    n, num_heads, _ = q.shape
-    seq_len, num_kv_heads, _ = keys.shape
-    group = num_heads // num_kv_heads
-    keys = keys.float().repeat_interleave(group, dim=1)
-    values = values.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-    query_pos = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
-    key_pos = torch.arange(seq_len, device=q.device)[None, :]
-    scores.masked_fill_(key_pos > query_pos, float("-inf"))
-    out = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), values)
-    return out.to(q.dtype)
+def attend(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
+           starts: list[int], seq_lens: list[int], rows: list[int], scale: float) -> None:
+    """Causal attention for `rows`, written into `out`. Row r's n query tokens are the last
+    n positions of its context of seq_lens[r] keys: query j sees keys 0 .. seq_len - n + j.
+    Queries are padded to the longest n and contexts to the longest seq_len; the padding
+    is masked out (keys) or dropped (queries). Grouped-query heads share a kv head."""
+    _, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    device = q.device
+    lens = [starts[r + 1] - starts[r] for r in rows]
+    width, context = max(lens), max(seq_lens[r] for r in rows)
+    index = torch.tensor([[starts[r] + min(j, n - 1) for j in range(width)] for r, n in zip(rows, lens)], device=device)
+    query_pos = torch.tensor([[seq_lens[r] - n + j for j in range(width)] for r, n in zip(rows, lens)], device=device)
+    pages = page_table[torch.tensor(rows, device=device)][:, :-(-context // page_size)]
+    keys = kv_cache[0, pages].flatten(1, 2)[:, :context].float()    # [b, L, kv heads, D]
+    values = kv_cache[1, pages].flatten(1, 2)[:, :context].float()
+    queries = q[index].float().view(len(rows), width, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bwkgd,blkd->bkgwl", queries, keys) * scale
+    hidden = torch.arange(context, device=device)[None, None, :] > query_pos[:, :, None]  # [b, W, L]: future or padding
+    scores.masked_fill_(hidden[:, None, None], float("-inf"))
+    result = torch.einsum("bkgwl,blkd->bwkgd", scores.softmax(dim=-1), values).flatten(2, 3)
+    valid = torch.arange(width, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    out[index[valid]] = result[valid].to(out.dtype)
