@@ -50,6 +50,10 @@ def test_sharegpt_loader_reads_complete_records_and_filters(tmp_path, checkpoint
     assert requests == sharegpt_requests(tok, 4, seed=1, path=path)[0]  # the seed fixes the order
     with pytest.raises(ValueError, match="--num-prompts"):
         sharegpt_requests(tok, 5, seed=1, path=path)
+    short = sharegpt_requests(tok, 2, seed=1, path=path, max_model_len=12)[0]  # the model's context
+    assert sorted(r.prompt_len for r in short) == [5, 6]
+    with pytest.raises(ValueError, match="--num-prompts"):
+        sharegpt_requests(tok, 3, seed=1, path=path, max_model_len=12)
     path.write_text(text)  # a complete file
     assert read_json_array(path) == (good + dropped, 0)
 

@@ -60,6 +60,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], list, list, dict]:
     from tidal.bench.datasets import random_requests, sharegpt_requests
     from tidal.bench.workload import build_loads, parse_modes
     from tidal.demo import default_model_dir
+    from tidal.models.config import ModelConfig
     from tidal.tokenizer import Tokenizer
 
     if args.num_warmups < 0:
@@ -71,10 +72,13 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], list, list, dict]:
     else:
         modes = parse_modes(args.modes or DEFAULT_MODES)
     loads = build_loads(args.concurrency, args.request_rate, args.bursty, args.bursty_cycles, args.num_prompts)
-    tokenizer = Tokenizer.from_pretrained(args.model or default_model_dir())
+    model = args.model or default_model_dir()
+    tokenizer = Tokenizer.from_pretrained(model)
     needed = args.num_warmups + sum(load.total_requests for load in loads)
     if args.dataset_name == "sharegpt":
-        requests, dataset = sharegpt_requests(tokenizer, needed, args.seed, args.dataset_path)
+        context = ModelConfig.from_pretrained(model).max_position_embeddings
+        requests, dataset = sharegpt_requests(tokenizer, needed, args.seed, args.dataset_path,
+                                              min(args.max_model_len or context, context))
         print(f"ShareGPT: read {dataset['records_read']} complete records from {dataset['path']}"
               + (f" (ignored an incomplete tail of {dataset['chars_ignored']} characters)"
                  if dataset["chars_ignored"] else ""), file=sys.stderr)

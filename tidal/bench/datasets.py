@@ -68,12 +68,13 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-def sharegpt_requests(tokenizer: Tokenizer, num_requests: int, seed: int,
-                      path: str | Path | None = None) -> tuple[list[BenchRequest], dict]:
+def sharegpt_requests(tokenizer: Tokenizer, num_requests: int, seed: int, path: str | Path | None = None,
+                      max_model_len: int = MAX_TOTAL_LEN) -> tuple[list[BenchRequest], dict]:
     """`num_requests` ShareGPT requests, as vLLM's benchmark draws them: conversations of
     at least 2 turns in a seeded random order, the first turn as the prompt and the token
     length of the second as the output length, dropping prompts or outputs under 4 tokens,
-    prompts over 1024 and prompt + output over 2048. Also returns what was read."""
+    prompts over 1024 and prompt + output over 2048, or over the model's context if that
+    is shorter. Also returns what was read."""
     path = Path(path) if path else sharegpt_path()
     records, unread = read_json_array(path)
     conversations = [r["conversations"] for r in records if len(r.get("conversations", ())) >= 2]
@@ -85,7 +86,7 @@ def sharegpt_requests(tokenizer: Tokenizer, num_requests: int, seed: int,
         prompt = tokenizer.encode(turns[0]["value"])
         output_len = len(tokenizer.encode(turns[1]["value"]))
         if (MIN_LEN <= len(prompt) <= MAX_PROMPT_LEN and output_len >= MIN_LEN
-                and len(prompt) + output_len <= MAX_TOTAL_LEN):
+                and len(prompt) + output_len <= min(MAX_TOTAL_LEN, max_model_len)):
             requests.append(BenchRequest(prompt, output_len))
     if len(requests) < num_requests:
         raise ValueError(f"--num-prompts: {num_requests} requests wanted, but {path} has only "
