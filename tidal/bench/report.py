@@ -67,7 +67,7 @@ def describe_dataset(dataset: dict | None) -> str:
         return "given requests"
     if dataset["name"] == "random":
         return f"random ({dataset['input_len']} in, {dataset['output_len']} out)"
-    return f"sharegpt ({dataset['records_read']} records read from {dataset['path']})"
+    return f"sharegpt ({dataset['records_read']} records read from {Path(dataset['path']).name})"
 
 
 def write_json(report: dict, path: str | Path) -> None:
