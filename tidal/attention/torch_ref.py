@@ -31,7 +31,7 @@ class TorchAttention:
         starts, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
         rows = [i for i in range(len(seq_lens)) if starts[i + 1] > starts[i]]
         short = [i for i in rows if starts[i + 1] - starts[i] <= BATCHED_QUERY_LEN]
-        groups = ([short] if short else []) + [[i] for i in rows if i not in set(short)]
+        groups = ([short] if short else []) + [[i] for i in rows if starts[i + 1] - starts[i] > BATCHED_QUERY_LEN]
         for group in groups:
             attend(q, out, kv_cache, batch.page_table, starts, seq_lens, group, scale)
         return out
