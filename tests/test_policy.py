@@ -240,6 +240,15 @@ def test_cost_model_learns_online_from_nothing():
             true_cost(8, w), rel=0.05)
 
 
+def test_one_slow_step_at_most_doubles_a_profiled_prediction():
+    """The first step seen at a batch size may be a pause (a page fault, a compile): on a
+    profiled grid it moves the prediction at most to double, not to what it took."""
+    model = CostModel.from_function(lambda b, w: 0.010, *grid_axes(256, 4))
+    before = float(model.step_time(64, 0, 0, 0, 0))
+    model.observe(64, 0, 0, 0, 0, 10 * before)
+    assert float(model.step_time(64, 0, 0, 0, 0)) == pytest.approx(2 * before)
+
+
 def test_cost_model_moves_every_width_with_the_plain_step():
     """Plain steps that take longer than profiled raise the price of drafting steps too."""
     model = CostModel.from_function(true_cost, *grid_axes(16, 4))

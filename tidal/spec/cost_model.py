@@ -146,7 +146,8 @@ class CostModel:
             return predicted
         b0, b1, f = bracket(batch, self.batch_sizes)
         w0, w1, g = bracket(self._width(batch, num_drafts, max_draft), self.widths)
-        if self.level_weight[b0] > 0 and self.level_weight[b1] > 0:
+        measured = self.weight[b0, w0] > 0 and self.weight[b1, w1] > 0  # profiled, or observed before
+        if measured or (self.level_weight[b0] > 0 and self.level_weight[b1] > 0):
             error = min(error, predicted)  # one slow step (a pause, a page fault) at most doubles the belief
         error -= self._learn(self.level, self.level_weight, ((b0, 1 - f), (b1, f)), error)
         cells = (((b0, w0), (1 - f) * (1 - g)), ((b0, w1), (1 - f) * g), ((b1, w0), f * (1 - g)), ((b1, w1), f * g))
