@@ -82,7 +82,6 @@ class SamplingTensors:
         """`seeds[i]` is request i's seed (its own `params.seed`, or one the engine drew)."""
         if len(params) != len(seeds):
             raise ValueError(f"got {len(params)} sampling params but {len(seeds)} seeds")
-        device = torch.device(device)
         top_ks = [p.top_k if p.top_k > 0 and p.temperature > 0 else 0 for p in params]
         sampling = [p for p in params if p.temperature > 0]
         return SamplingTensors(

@@ -107,7 +107,7 @@ class ChainDrafter(ABC):
     def propose(self, plan: StepPlan, rows: list[int]):
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
-        device, ps = self.runner.device, self.runner.page_size
+        device = self.runner.device
         st = self.runner.sampling_tensors(reqs)
         counters = to_device([r.num_output_tokens for r in reqs], torch.int64, device)
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
