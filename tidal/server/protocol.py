@@ -91,13 +91,18 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    """A whole completion, or (streaming) one chunk of it."""
+class Envelope(BaseModel):
+    """What every completion response and stream chunk carries besides its choices."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+
+
+class CompletionResponse(Envelope):
+    """A whole completion, or (streaming) one chunk of it."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -128,11 +133,8 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
 
@@ -154,11 +156,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
