@@ -6,7 +6,7 @@
 Correctness: greedy tokens of a tiny float32 Llama on the GPU (Triton kernels, CUDA graphs)
 equal transformers' and the torch reference backend's. Speed: a Llama-3.1-8B-shaped model
 with random weights (bf16): batch-1 decode, offline 256 x (128 in, 128 out) against
-transformers' static-cache generate in the same run, a proposer configured at K = 0 vs
+transformers' static-cache generate in the same run, both with async scheduling on and off, a proposer configured at K = 0 vs
 none, an EAGLE-3-shaped head with SIMULATED acceptance (0.8, K = 4) vs plain, and the
 scheduler's Python time per step at 256 requests, and where a decode step's time goes
 at batch 1 and 256, and with a proposer at K = 0 and K = 4 at batch 1 (torch profiler:
@@ -154,13 +154,16 @@ def scheduler_overhead(llm, prompts, new_tokens):
             return out
         return wrapper
 
+    ahead = engine.scheduler.schedule_ahead
     engine.scheduler.schedule, engine.scheduler.commit = timed("schedule", schedule), timed("commit", commit)
-    engine.step = timed("step", step)
+    engine.scheduler.schedule_ahead, engine.step = timed("schedule", ahead), timed("step", step)
     try:
         llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
     finally:
         engine.scheduler.schedule, engine.scheduler.commit, engine.step = schedule, commit, step
-    # Decode steps only: skip the first steps (prefill) and the tail.
+        engine.scheduler.schedule_ahead = ahead
+    # Decode steps only: skip the first steps (prefill) and the tail. With async scheduling
+    # a step plans the next one (schedule_ahead) and commits itself.
     steps = list(zip(timings["schedule"], timings["commit"], timings["step"]))[4:-4]
     host = sum(s + c for s, c, _ in steps) / len(steps)
     total = sum(t for _, _, t in steps) / len(steps)
@@ -271,6 +274,14 @@ def main():
             del llm
             free_memory()
 
+        def plain_sync():
+            llm = LLM(model=str(model_dir), async_scheduling=False, **common)
+            llm.generate(one, greedy(8), use_tqdm=False)  # warm up
+            speed["plain_sync_b1"] = decode_rate(llm, one, b1_tokens)
+            speed["plain_sync_offline"] = decode_rate(llm, many, new_tokens)
+            del llm
+            free_memory()
+
         def spec(name, **cfg):
             sc = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4, **cfg}
             llm = LLM(model=str(model_dir), speculative_config=sc, **common)
@@ -284,6 +295,7 @@ def main():
             free_memory()
 
         section("plain", plain)
+        section("plain_sync", plain_sync)
         section("eagle3_k0", lambda: spec("eagle3_off", policy="off"))
         section("eagle3_sim08_k4", lambda: spec("eagle3_sim08_k4", policy="fixed", simulate_acceptance=0.8))
         if not args.smoke:
@@ -301,12 +313,15 @@ def main():
 
     for name, value in results["correctness"].items():
         rows.append((f"greedy == transformers, {name}", str(value)))
-    for key in ("plain_b1", "plain_b64", "plain_offline", "eagle3_off_b1", "eagle3_off_b64", "eagle3_sim08_k4_b1",
+    for key in ("plain_b1", "plain_sync_b1", "plain_b64", "plain_offline", "plain_sync_offline", "eagle3_off_b1", "eagle3_off_b64", "eagle3_sim08_k4_b1",
                 "hf_static_offline"):
         if key in s:
             rows.append((f"{key} tok/s (decode / overall)",
                          f"{s[key].get('decode_tok_s', float('nan')):.0f} / {s[key]['tok_s']:.0f}"))
     rows.append(("offline: tidal / transformers (overall tok/s)", f"{ratio('plain_offline', 'hf_static_offline', 'tok_s'):.2f}x"))
+    rows.append(("async / sync scheduling, batch 1 (decode tok/s)", f"{ratio('plain_b1', 'plain_sync_b1'):.3f}"))
+    rows.append(("async / sync scheduling, offline (overall tok/s)",
+                 f"{ratio('plain_offline', 'plain_sync_offline', 'tok_s'):.3f}"))
     rows.append(("K=0 configured / none, batch 1 (time ratio)", f"{ratio('plain_b1', 'eagle3_off_b1'):.3f}"))
     rows.append(("K=0 configured / none, batch 64 (time ratio)", f"{ratio('plain_b64', 'eagle3_off_b64'):.3f}"))
     rows.append(("EAGLE-3 sim 0.8 K=4 / plain, batch 1", f"{ratio('eagle3_sim08_k4_b1', 'plain_b1'):.2f}x"))

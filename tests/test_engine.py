@@ -190,3 +190,47 @@ def test_bad_inputs_raise_value_errors_naming_the_field(checkpoint):
     # A rejected batch left nothing behind; the engine still serves.
     assert_idle(llm)
     assert len(llm.generate([[3, 4, 5]], greedy(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_async_scheduling_changes_no_output(checkpoint):
+    """Planning each plain decode step while the one before runs (its input tokens still on
+    the device) gives the outputs of the synchronous engine: requests ending at different
+    steps by length, by a stop token and by a stop string, and seeded sampling."""
+    model_dir = checkpoint("llama")
+    batch = prompts(6, seed=11)
+    probe = [o.outputs[0] for o in LLM(model=model_dir, page_size=8).generate(batch, greedy(), use_tqdm=False)]
+    params = [greedy(max_tokens=5), greedy(stop_token_ids=(probe[1].token_ids[7],)),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True),
+              greedy(stop=(probe[3].text[-9:-6],)), greedy(max_tokens=1), greedy(logprobs=2)]
+    runs, logprobs = {}, {}
+    for overlap in (False, True):
+        llm = LLM(model=model_dir, page_size=8, async_scheduling=overlap)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        runs[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+        logprobs[overlap] = outs[-1].outputs[0].logprobs
+        assert (llm.engine.stats()["num_steps_ahead"] > 0) == overlap
+        assert_idle(llm)
+    assert runs[True] == runs[False]
+    # A batch of another composition rounds differently: logprobs agree to float32 noise.
+    for a, b in zip(logprobs[True], logprobs[False], strict=True):
+        assert list(a) == list(b) and a == pytest.approx(b, abs=1e-4)
+    assert [r[1] for r in runs[True]] == ["length", "stop", "length", "stop", "length", "length"]
+
+
+def test_abort_while_a_step_is_queued_ahead(checkpoint):
+    llm = LLM(model=checkpoint("llama"), page_size=8)
+    engine = llm.engine
+    reqs = [engine.make_request(p, greedy()) for p in prompts(3, seed=2)]
+    for req in reqs:
+        engine.add_request(req)
+    while engine.num_steps_ahead == 0:
+        engine.step()
+    assert engine.in_flight is not None
+    assert engine.abort(reqs[1].request_id).finished
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: o for o in engine.step()}
+    assert sorted(done) == [reqs[0].request_id, reqs[2].request_id]
+    alone = llm.generate([reqs[2].token_ids[:reqs[2].num_prompt_tokens]], greedy(), use_tqdm=False)[0]
+    assert done[reqs[2].request_id].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(llm)

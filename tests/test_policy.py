@@ -125,6 +125,24 @@ def test_steady_load_does_not_flip_flop():
     assert flip_rate(0.0)[0] > 5 * flips  # without hysteresis it would
 
 
+def test_a_decision_made_ahead_is_observed_with_its_own_step():
+    """Async scheduling chooses the next step before this one is observed: each observation
+    must meet the decision its step was made from (here a plain step, then a drafting one)."""
+    policy, reqs = Goodput(nearly_free(), K), make_requests(2)
+    plain = policy.choose(reqs, [0, 0], 0)
+    drafting = policy.choose(reqs, [K, K], 0)
+    assert plain == [0, 0] and min(drafting) > 0
+    rows = policy.acceptance.rows(reqs)
+    before = policy.acceptance.tried[rows].sum()
+    policy.observe(StepPlan(reqs, [1, 1], plain), StepResult(torch.zeros(2, 1, dtype=torch.int64),
+                                                             torch.ones(2, dtype=torch.int64)), 0.01)
+    assert policy.acceptance.tried[rows].sum() == before  # nothing was drafted: nothing was rejected
+    accepted = torch.tensor([1 + k for k in drafting])
+    policy.observe(StepPlan(reqs, [1, 1], drafting), StepResult(torch.zeros(2, 1 + K, dtype=torch.int64),
+                                                                accepted), 0.01)
+    assert policy.acceptance.accepted[rows].sum() == sum(drafting) and not policy.pending
+
+
 def test_probe_refreshes_a_request_stuck_at_zero():
     policy, rng = Goodput(overhead_plus_tokens(), K, probe_interval=8), random.Random(0)
     reqs = make_requests(1)

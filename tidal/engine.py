@@ -15,10 +15,11 @@ from tidal.config import EngineConfig, SamplingParams, SpecConfig
 from tidal.kv_cache import PagePool
 from tidal.models.config import ModelConfig
 from tidal.request import CompletionOutput, Request, RequestOutput, SpecStats
-from tidal.runner import ModelRunner
+from tidal.runner import ModelRunner, PendingStep
 from tidal.scheduler import Scheduler, pages_for
 from tidal.spec import build_proposer
 from tidal.spec.policy import make_policy
+from tidal.step import StepPlan
 from tidal.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | Sequence[int]
@@ -53,7 +54,11 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.seeds = random.Random(config.seed)
         self.ids = itertools.count()
+        self.in_flight: PendingStep | None = None  # a step queued on the device, not yet committed
+        self.planned: StepPlan | None = None       # a drafting step planned ahead, to launch next
+        self.last_ready = 0.0                      # when the last step's tokens came back
         self.num_steps = 0
+        self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
         self.num_generated_tokens = 0
 
     # -- requests ------------------------------------------------------------------------
@@ -101,17 +106,56 @@ class LLMEngine:
         return self._finish_output(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     # -- the step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One forward step. Returns an output (with the text delta) for every request
-        that finished, and for every streaming one that committed tokens."""
-        plan = self.scheduler.schedule()
-        if not plan.requests:
+        that finished, and for every streaming one that committed tokens.
+
+        Async scheduling: while a plain decode step runs on the device, the next step is
+        planned and queued behind it, feeding the tokens this one samples straight from the
+        device; the host then commits this step while the device runs the next one. A next
+        step that drafts waits for this step's tokens (its proposer reads them)."""
+        step = self.in_flight or self._launch(self._next_plan())
+        self.in_flight = None
+        if step is None:
             return []
-        start = time.perf_counter()
+        if self.config.async_scheduling and step.plan.plain_decode:
+            ahead = self.scheduler.schedule_ahead(step.plan)
+            if ahead is not None and ahead.max_draft_len == 0:
+                self.in_flight = self._launch(ahead, after=step)
+                self.num_steps_ahead += 1
+            else:
+                self.planned = ahead
+        result = step.result()
+        now = time.perf_counter()
+        # A step queued behind another starts when that one's tokens are back.
+        self.scheduler.policy.observe(step.plan, result, now - max(step.started, self.last_ready))
+        self.last_ready = now
+        ended = [req.finished for req in step.plan.requests]  # before this step (their rows are dropped)
+        self.scheduler.commit(step.plan, result)
+        self.num_steps += 1
+        outputs = []
+        accept_lens = result.accept_lens.tolist()
+        for req, n, ended_before in zip(step.plan.requests, accept_lens, ended):
+            if ended_before or (n == 0 and not req.finished):
+                continue
+            self.num_generated_tokens += n
+            if req.finished or req.stream or req.params.stop:  # stop strings are found in the text
+                outputs.append(self._output(req))
+        return outputs
+
+    def _next_plan(self) -> StepPlan:
+        plan, self.planned = self.planned, None
+        return plan.unfinished() if plan is not None else self.scheduler.schedule()
+
+    def _launch(self, plan: StepPlan, after: PendingStep | None = None) -> PendingStep | None:
+        """Propose for the rows that draft, then queue the step on the device."""
+        if not plan.requests:
+            return None
+        started = time.perf_counter()
         drafts, probs = None, None
         rows = [i for i, k in enumerate(plan.draft_lens) if k > 0]
         if rows:
@@ -121,19 +165,9 @@ class LLMEngine:
                 drafts[i] = tokens
                 plan.draft_lens[i] = len(tokens)
         spec = self.config.speculative_config
-        result = self.runner.execute(plan, drafts, probs, spec.simulate_acceptance if spec else None)
-        self.scheduler.policy.observe(plan, result, time.perf_counter() - start)
-        self.scheduler.commit(plan, result)
-        self.num_steps += 1
-        outputs = []
-        accept_lens = result.accept_lens.tolist()
-        for req, n in zip(plan.requests, accept_lens):
-            if n == 0 and not req.finished:
-                continue
-            self.num_generated_tokens += n
-            if req.finished or req.stream or req.params.stop:  # stop strings are found in the text
-                outputs.append(self._output(req))
-        return outputs
+        step = self.runner.launch(plan, drafts, probs, spec.simulate_acceptance if spec else None, after)
+        step.started = started
+        return step
 
     def _output(self, req: Request) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
@@ -174,6 +208,7 @@ class LLMEngine:
             "prefix_cache_hit_pages": self.pool.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_steps_ahead": self.num_steps_ahead,
             "num_generated_tokens": self.num_generated_tokens,
             "spec": self.scheduler.spec.as_dict(),
             "policy": {**self.scheduler.policy.stats(), "draft_len_counts": list(self.scheduler.draft_len_counts)},

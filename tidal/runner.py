@@ -123,26 +123,34 @@ class ModelRunner:
         return max(2, int(budget // per_page))
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, drafts: list[list[int]] | None = None,
-                draft_probs: torch.Tensor | None = None, simulate_acceptance: float | None = None) -> StepResult:
-        """Run one step. `drafts[i]` holds row i's K_i draft tokens; `draft_probs` [B, Kmax, V]
-        the drafter's distributions (None for a deterministic drafter)."""
+    def launch(self, plan: StepPlan, drafts: list[list[int]] | None = None,
+               draft_probs: torch.Tensor | None = None, simulate_acceptance: float | None = None,
+               after: PendingStep | None = None) -> PendingStep:
+        """Queue one step on the device; its `result()` waits for it. `drafts[i]` holds row
+        i's K_i draft tokens; `draft_probs` [B, Kmax, V] the drafter's distributions (None for
+        a deterministic drafter). With `after` (a plain decode still in flight), the plan was
+        made ahead of it: each request is one token further than its state says, and feeds
+        the token `after` samples for it, taken on the device."""
         reqs = plan.requests
+        ahead = int(after is not None)
         feeds = []
         for i, req in enumerate(reqs):
             start = req.num_computed
-            feed = req.token_ids[start:start + plan.num_new_tokens[i]]
+            feed = [0] if after else req.token_ids[start:start + plan.num_new_tokens[i]]
             if plan.draft_lens[i]:
                 feed = feed + drafts[i]
             feeds.append(feed)
+        input_ids = after.sampled_for(reqs) if after else None
         width = 1 + plan.max_draft_len
-        rows = [i for i in range(len(reqs)) if plan.samples(i)]
-        contexts, pages = [r.num_computed for r in reqs], [r.pages for r in reqs]
+        rows = [i for i in range(len(reqs)) if after or plan.samples(i)]
+        contexts, pages = [r.num_computed + ahead for r in reqs], [r.pages for r in reqs]
         decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
         if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
-            out, slot_mapping = self.graphs.run(feeds, contexts, pages, width)
+            out, slot_mapping = self.graphs.run(feeds, contexts, pages, width, input_ids=input_ids)
         else:
             batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device)
+            if input_ids is not None:
+                batch.input_ids.copy_(input_ids)
             out, slot_mapping = self.model(batch.input_ids, batch.positions, batch, self.kv_caches), batch.slot_mapping
         if self.aux_cache is not None:
             hidden, aux = out
@@ -151,9 +159,7 @@ class ModelRunner:
             hidden = out
 
         # Rows that sample: logits for their last K_i + 1 query positions, padded to W.
-        token_ids = torch.zeros(len(reqs), width, dtype=torch.int64)
-        accept_lens = torch.zeros(len(reqs), dtype=torch.int64)
-        logprobs = None
+        step = PendingStep(plan, rows, width)
         if rows:
             if width == 1 and len(rows) == len(reqs) == hidden.shape[0]:
                 last = hidden  # a plain decode step: every token is a row's last
@@ -164,35 +170,84 @@ class ModelRunner:
             logits = self.model.compute_logits(last).view(len(rows), width, -1)
             sampled = [reqs[i] for i in rows]
             st = self.sampling_tensors(sampled)
-            counters = to_device([r.num_output_tokens for r in sampled], torch.int64, self.device)
+            counters = to_device([r.num_output_tokens + ahead for r in sampled], torch.int64, self.device)
             if width == 1:
-                tokens = sample(logits[:, 0], st, counters)[:, None]
-                token_ids[rows] = tokens.cpu()  # the step's one device-to-host copy
-                accept_lens[rows] = 1
+                step.tokens = sample(logits[:, 0], st, counters)[:, None]
+                out = step.tokens
             else:
                 k = to_device([plan.draft_lens[i] for i in rows], torch.int64, self.device)
                 padded = to_device([drafts[i] + [0] * (width - 1 - len(drafts[i])) if plan.draft_lens[i]
                                     else [0] * (width - 1) for i in rows], torch.int64, self.device)
                 probs = draft_probs[rows, :width - 1] if draft_probs is not None else None
-                tokens, accepted = verify(logits, padded, probs, k, st, counters,
-                                          simulate_acceptance=simulate_acceptance)
-                both = torch.cat([tokens, accepted[:, None]], dim=1).cpu()  # one device-to-host copy
-                token_ids[rows], accept_lens[rows] = both[:, :-1], both[:, -1]
-            logprobs = self._logprobs(plan, rows, logits, tokens)
-        return StepResult(token_ids, accept_lens, logprobs)
+                step.tokens, accepted = verify(logits, padded, probs, k, st, counters,
+                                               simulate_acceptance=simulate_acceptance)
+                out = torch.cat([step.tokens, accepted[:, None]], dim=1)
+            wanted = [r.params.logprobs for r in sampled]
+            if any(n is not None for n in wanted):
+                b, w, v = logits.shape
+                step.logprobs = (wanted, compute_logprobs(logits.view(b * w, v), step.tokens.reshape(-1),
+                                                          max(n or 0 for n in wanted)))
+            step.copy_to_host(out)
+        return step
 
-    def _logprobs(self, plan, rows, logits, tokens):
-        wanted = [plan.requests[i].params.logprobs for i in rows]
-        if all(n is None for n in wanted):
+
+class PendingStep:
+    """A step queued on the device. Its tokens come back through one non-blocking copy;
+    `result()` waits for that copy alone, so the host can plan and queue the next step first."""
+
+    def __init__(self, plan: StepPlan, rows: list[int], width: int):
+        self.plan = plan
+        self.rows = rows            # plan rows that sample
+        self.width = width
+        self.tokens: torch.Tensor | None = None  # [len(rows), W] on the device
+        self.logprobs = None        # (logprobs wanted per sampled row, their device tensors)
+        self.host: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None
+        self.started = 0.0          # when the engine began it (proposing included)
+
+    def copy_to_host(self, out: torch.Tensor) -> None:
+        """The step's one device-to-host copy: tokens (and, when verifying, accepted lengths)."""
+        if out.device.type == "cuda":
+            self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self.host.copy_(out, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = out
+
+    def sampled_for(self, reqs: list) -> torch.Tensor:
+        """The token this plain decode samples for each of `reqs`, on the device: what a step
+        queued behind it feeds."""
+        own = self.plan.requests
+        if len(reqs) == len(own) and all(a is b for a, b in zip(reqs, own)):
+            return self.tokens[:, 0]
+        row = {id(r): i for i, r in enumerate(own)}
+        return self.tokens[to_device([row[id(r)] for r in reqs], torch.int64, self.tokens.device), 0]
+
+    def result(self) -> StepResult:
+        b = len(self.plan.requests)
+        token_ids = torch.zeros(b, self.width, dtype=torch.int64)
+        accept_lens = torch.zeros(b, dtype=torch.int64)
+        if not self.rows:
+            return StepResult(token_ids, accept_lens)
+        if self.copied is not None:
+            self.copied.synchronize()
+        if self.width == 1:
+            token_ids[self.rows], accept_lens[self.rows] = self.host, 1
+        else:
+            token_ids[self.rows], accept_lens[self.rows] = self.host[:, :-1], self.host[:, -1]
+        return StepResult(token_ids, accept_lens, self._logprobs())
+
+    def _logprobs(self):
+        if self.logprobs is None:
             return None
-        num_top = max(n or 0 for n in wanted)
-        b, w, v = logits.shape
-        lp = compute_logprobs(logits.view(b * w, v), tokens.reshape(-1), num_top)
+        wanted, lp = self.logprobs
+        b, w = len(self.rows), self.width
         chosen = lp.token_logprobs.view(b, w).tolist()
         ids, tops = lp.top_ids.view(b, w, -1).tolist(), lp.top_logprobs.view(b, w, -1).tolist()
-        flat_tokens = tokens.view(b, w).tolist()
-        out: list = [None] * len(plan.requests)
-        for r, i in enumerate(rows):
+        flat_tokens = self.tokens.view(b, w).tolist()
+        out: list = [None] * len(self.plan.requests)
+        for r, i in enumerate(self.rows):
             n = wanted[r]
             if n is not None:
                 out[i] = [{flat_tokens[r][j]: chosen[r][j], **dict(zip(ids[r][j][:n], tops[r][j][:n]))}

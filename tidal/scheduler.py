@@ -114,13 +114,50 @@ class Scheduler:
             budget -= num_new
         return plan
 
-    def _draft_lens(self, decoding: list[Request]) -> dict[str, int]:
+    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
+        """The next step's plan, made while `plan`, a plain decode of every running request,
+        is still on the device (async scheduling), or None where its outcome could change
+        the next plan: requests wait to be admitted, or pages would have to be taken back.
+
+        Each request is planned one token further than its state says. Those that surely end
+        with this token (their length limits) are left out; one that ends otherwise (EOS, a
+        stop string, an abort) has its row computed and dropped at commit. Nothing is
+        preempted, so no request loses pages a step in flight writes to."""
+        running = [r for r in plan.requests if not r.finished]
+        if self.waiting or len(running) != len(self.running) or \
+                any(a is not b for a, b in zip(running, self.running)):
+            return None
+        reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens
+                and r.num_tokens + 1 < self.max_model_len]
+        ps = self.pool.page_size
+        # Pages each needs for its next token, and more for its drafts.
+        needs = [pages_for(r.num_computed + 2, ps) - len(r.pages) for r in reqs]
+        spare = self.pool.num_free - sum(needs)
+        if not reqs or spare < 0:
+            return None
+        draft_lens = self._draft_lens(reqs, ahead=1)
+        budget = self.max_num_batched_tokens - len(reqs)
+        ks = []
+        for req, need in zip(reqs, needs):
+            k = min(draft_lens.get(req.request_id, 0), budget)
+            extra = pages_for(req.num_computed + 2 + k, ps) - len(req.pages) - need
+            if extra > spare:
+                k, extra = 0, 0
+            req.pages += self.pool.allocate(need + extra) if need + extra > 0 else []
+            spare -= extra
+            budget -= k
+            ks.append(k)
+        return StepPlan(reqs, [1] * len(reqs), ks)
+
+    def _draft_lens(self, decoding: list[Request], ahead: int = 0) -> dict[str, int]:
+        """K per decoding request, from the policy; `ahead` tokens not yet in their state
+        count as committed."""
         if not decoding or self.max_draft_len == 0:
             return {}
         # A request can commit at most K + 1 tokens; drafting past its end is waste.
         limits = [max(0, min(self.max_draft_len,
-                             r.params.max_tokens - r.num_output_tokens - 1,
-                             self.max_model_len - r.num_tokens - 1)) for r in decoding]
+                             r.params.max_tokens - r.num_output_tokens - ahead - 1,
+                             self.max_model_len - r.num_tokens - ahead - 1)) for r in decoding]
         chosen = self.policy.choose(decoding, limits, len(self.waiting))
         ks = [max(0, min(k, limit)) for k, limit in zip(chosen, limits)]
         for k in ks:
@@ -160,6 +197,8 @@ class Scheduler:
         tokens = result.token_ids.tolist()
         accept_lens = result.accept_lens.tolist()
         for i, req in enumerate(plan.requests):
+            if req.finished:  # ended while this step was in flight (async scheduling)
+                continue
             n = accept_lens[i]
             req.num_computed += plan.num_new_tokens[i] + max(n - 1, 0)
             req.num_absorbed = min(req.num_absorbed, req.num_computed)
@@ -175,9 +214,10 @@ class Scheduler:
                 self._release(req)
                 finished.append(req)
                 continue
-            # Pages that held only rejected drafts go back to the pool.
+            # Pages that held only rejected drafts go back to the pool (not those of a
+            # plain row, which a step planned ahead may already use).
             keep = pages_for(req.num_computed, self.pool.page_size)
-            if len(req.pages) > keep:
+            if plan.draft_lens[i] and len(req.pages) > keep:
                 self.pool.free(req.pages[keep:])
                 del req.pages[keep:]
             self.pool.register(req.pages, req.page_keys, req.token_ids, req.num_computed)

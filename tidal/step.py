@@ -30,6 +30,19 @@ class StepPlan:
     def max_draft_len(self) -> int:
         return max(self.draft_lens, default=0)
 
+    @property
+    def plain_decode(self) -> bool:
+        """Every row feeds its one last token and drafts nothing: each commits exactly one
+        token, so the next step can be planned before this one's tokens are known."""
+        return all(n == 1 for n in self.num_new_tokens) and not any(self.draft_lens) and \
+            all(self.samples(i) for i in range(len(self.requests)))
+
+    def unfinished(self) -> "StepPlan":
+        """The rows whose request still runs (a plan made ahead may hold one that ended since)."""
+        keep = [i for i, r in enumerate(self.requests) if not r.finished]
+        return StepPlan([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep],
+                        [self.draft_lens[i] for i in keep])
+
 
 @dataclass
 class StepResult:

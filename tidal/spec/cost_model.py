@@ -177,7 +177,7 @@ def grid_axes(max_batch: int, max_draft_len: int) -> tuple[list[int], list[int]]
 
 def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len: int,
             seconds: float) -> CostModel:
-    """Time real steps (runner.execute, proposer.propose) on dummy requests, smallest shapes
+    """Time real steps (runner.launch, proposer.propose) on dummy requests, smallest shapes
     first, until `seconds` are spent; shapes left over are extrapolated in proportion to
     their tokens (the compute-bound guess, right for shapes that are slow to run).
 
@@ -190,7 +190,7 @@ def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len:
     def run_target(b, w, context=ctx):
         plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
         drafts = [[0] * (w - 1) for _ in range(b)]
-        return timed(lambda: runner.execute(plan, drafts), runner.device)
+        return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 
     def run_proposer(b, k, backlog=1):
         """The proposer on b rows whose drafter has `backlog` tokens to absorb first."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_right
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np
@@ -79,6 +81,15 @@ class Table(NoFeedback):
         return [min(k, limit) for limit in limits]
 
 
+@dataclass
+class Decision:
+    """One step's choice, kept until the step is observed."""
+
+    requested: dict[Request, int]  # K per decoding request, probes included (what verification is compared to)
+    catch_up: int                  # tokens past K + 1 per request the drafter absorbs in the step
+    log: dict                      # the decision log's line
+
+
 class Goodput:
     """Per step, the K_i that maximise expected committed tokens per second of the step
     (DESIGN.md, "Choosing K: the goodput policy").
@@ -131,10 +142,10 @@ class Goodput:
         self.probe_overhead = probe_overhead  # a probe that costs this much of a step comes every probe_interval steps
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
-        self.requested: dict[Request, int] = {}  # this step's decision with probes (what observe compares to)
-        self.catch_up = 0                        # tokens past K + 1 per request the drafter absorbs this step
+        # Decisions not yet observed, oldest first: with async scheduling the next step is
+        # chosen before this one's outcome is seen.
+        self.pending: deque[Decision] = deque()
         self.steps_since_drafting = 0
-        self.decision: dict = {}
         self.num_decisions = self.num_held = self.num_probes = self.num_timed = 0
         self.predicted = self.observed = self.error = 0.0
 
@@ -205,13 +216,13 @@ class Goodput:
             return float(seconds), b + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
 
         ks, probes = self._probe(ks, limit, rows, cap, worth)
-        self.requested = dict(zip(requests, ks.tolist()))
-        self.catch_up = int(backlog[ks > 0].sum())
+        catch_up = int(backlog[ks > 0].sum())
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
         self.num_probes += len(probes)
-        self.decision = {"step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(),
-                         "probes": probes, "held": held, "tokens_per_s": rate, "catch_up": self.catch_up}
+        self.pending.append(Decision(dict(zip(requests, ks.tolist())), catch_up, {
+            "step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
+            "held": held, "tokens_per_s": rate, "catch_up": catch_up}))
         return ks.tolist()
 
     @staticmethod
@@ -286,33 +297,43 @@ class Goodput:
 
     # -- learning --------------------------------------------------------------------------
 
+    def _decision_for(self, plan) -> Decision | None:
+        """The pending decision this plan was made from (None for a plan without decodes).
+        Decisions whose requests all ended before their step ran are dropped on the way."""
+        while self.pending and all(r.finished for r in self.pending[0].requested):
+            if any(r in self.pending[0].requested for r in plan.requests):
+                break
+            self.pending.popleft()
+        if self.pending and any(r in self.pending[0].requested for r in plan.requests):
+            return self.pending.popleft()
+        return None
+
     def observe(self, plan, result, step_time):
-        reqs = plan.requests
+        decision = self._decision_for(plan)
+        if decision is None:  # a step without decodes learns nothing
+            return
+        reqs, requested = plan.requests, decision.requested
         accepted = result.accept_lens.tolist()
-        drafting = [i for i, r in enumerate(reqs) if self.requested.get(r, 0) > 0]
+        drafting = [i for i, r in enumerate(reqs) if requested.get(r, 0) > 0]
         if drafting:
             # A draft the proposer could not make counts as rejected: asking for it bought nothing.
             self.acceptance.update(self.acceptance.rows([reqs[i] for i in drafting]),
-                                   np.array([self.requested[reqs[i]] for i in drafting]),
+                                   np.array([requested[reqs[i]] for i in drafting]),
                                    np.array([accepted[i] - 1 for i in drafting]))
-        predicted = None
-        decoding = [i for i, r in enumerate(reqs) if r in self.requested]
-        if decoding:  # rows the policy chose for; the rest are prefill chunks
-            ks = [plan.draft_lens[i] for i in decoding]
-            prefill = sum(plan.num_new_tokens) - len(decoding)
-            context = sum(reqs[i].num_computed + 1 for i in decoding)
-            predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
-                                          step_time, prefill, self.catch_up)
-            miss = abs(predicted - step_time) / step_time
-            self.error = miss if self.num_timed == 0 else 0.95 * self.error + 0.05 * miss
-            self.predicted, self.observed = predicted, step_time
-            self.num_timed += 1
-            self.decision["prefill"] = prefill
-        if self.log and self.decision:
-            self.decision.update(predicted_s=predicted, observed_s=step_time, drafted=list(plan.draft_lens),
-                                 accepted=[n - 1 for n in accepted])
-            self.log.write(json.dumps(self.decision) + "\n")
-        self.requested, self.decision = {}, {}  # a step without a decision learns no acceptance
+        decoding = [i for i, r in enumerate(reqs) if r in requested]
+        ks = [plan.draft_lens[i] for i in decoding]
+        prefill = sum(plan.num_new_tokens) - len(decoding)
+        context = sum(reqs[i].num_computed + 1 for i in decoding)
+        predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
+                                      step_time, prefill, decision.catch_up)
+        miss = abs(predicted - step_time) / step_time
+        self.error = miss if self.num_timed == 0 else 0.95 * self.error + 0.05 * miss
+        self.predicted, self.observed = predicted, step_time
+        self.num_timed += 1
+        if self.log:
+            decision.log.update(prefill=prefill, predicted_s=predicted, observed_s=step_time,
+                                drafted=list(plan.draft_lens), accepted=[n - 1 for n in accepted])
+            self.log.write(json.dumps(decision.log) + "\n")
 
     def stats(self) -> dict:
         return {
