@@ -71,7 +71,7 @@ def step(policy, reqs, acceptance, rng, limit=K):
         while n < k and rng.random() < a:
             n += 1
         accepted.append(1 + n)
-    plan = StepPlan(reqs, [1] * len(reqs), list(ks))
+    plan = StepPlan(reqs, [1] * len(reqs), list(ks), ks.note)
     result = StepResult(torch.zeros(len(reqs), 1 + max(ks), dtype=torch.int64), torch.tensor(accepted))
     policy.observe(plan, result, 0.01)
     return ks
@@ -134,13 +134,13 @@ def test_a_decision_made_ahead_is_observed_with_its_own_step():
     assert plain == [0, 0] and min(drafting) > 0
     rows = policy.acceptance.rows(reqs)
     before = policy.acceptance.tried[rows].sum()
-    policy.observe(StepPlan(reqs, [1, 1], plain), StepResult(torch.zeros(2, 1, dtype=torch.int64),
-                                                             torch.ones(2, dtype=torch.int64)), 0.01)
+    policy.observe(StepPlan(reqs, [1, 1], list(plain), plain.note),
+                   StepResult(torch.zeros(2, 1, dtype=torch.int64), torch.ones(2, dtype=torch.int64)), 0.01)
     assert policy.acceptance.tried[rows].sum() == before  # nothing was drafted: nothing was rejected
     accepted = torch.tensor([1 + k for k in drafting])
-    policy.observe(StepPlan(reqs, [1, 1], drafting), StepResult(torch.zeros(2, 1 + K, dtype=torch.int64),
-                                                                accepted), 0.01)
-    assert policy.acceptance.accepted[rows].sum() == sum(drafting) and not policy.pending
+    policy.observe(StepPlan(reqs, [1, 1], list(drafting), drafting.note),
+                   StepResult(torch.zeros(2, 1 + K, dtype=torch.int64), accepted), 0.01)
+    assert policy.acceptance.accepted[rows].sum() == sum(drafting)
 
 
 def test_probe_refreshes_a_request_stuck_at_zero():
@@ -392,6 +392,28 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == policy["num_decisions"]
     assert {"batch", "k", "predicted_s", "observed_s", "accepted", "catch_up"} <= set(lines[-1])
+
+
+def test_each_step_is_observed_with_the_decision_it_was_made_from(models, tmp_path):
+    """Goodput chooses each step's K while the step before runs (async scheduling, and
+    choosing ahead of drafting steps), and learns from a step during the next one. Requests
+    joining, finishing at different steps and waiting for a slot must not shift decisions
+    against the steps they were made for: the drafts logged for each step are its decision's."""
+    log = tmp_path / "decisions.jsonl"
+    prompts = PROMPTS + [[30, 31, 32] * 2, [40, 41]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 9, 17, 30, 5, 12)]
+    plain = [o.outputs[0].token_ids for o in LLM(model=models["target"], page_size=4).generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(model=models["target"], page_size=4, max_num_seqs=3,
+              speculative_config=spec(models, "draft_model", cost_model="online", decision_log=str(log)))
+    inject(llm, overhead_plus_tokens())
+    llm.engine.scheduler.policy.log = open(log, "a", buffering=1)
+    got, stats = generate(llm, prompts, params)
+    assert got == plain
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) > 20 and len({max(line["k"]) for line in lines}) >= 2  # K varied
+    for line in lines:  # the draft model always proposes what it is asked for
+        assert sorted(k for k in line["k"] if k) == sorted(k for k in line["drafted"] if k), line
 
 
 def mean_k(stats):

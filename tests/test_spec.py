@@ -15,7 +15,7 @@ import tidal.runner
 from checkpoints import make_eagle3_checkpoint
 from stats import homogeneity_pvalue
 from tidal import LLM, SamplingParams
-from tidal.spec.policy import NoFeedback
+from tidal.spec.policy import Choice, NoFeedback
 from tidal.spec.verify import verify as real_verify
 
 NEW_TOKENS = 28
@@ -88,7 +88,7 @@ class RandomPolicy(NoFeedback):
     def choose(self, requests, limits, num_waiting):
         ks = [self.rng.randint(0, limit) for limit in limits]
         self.chosen.append(ks)
-        return ks
+        return Choice(ks)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_catch_up_after_off_periods_is_lossless(models, plain):
         def choose(self, requests, limits, num_waiting):
             self.step += 1
             on = (self.step // 3) % 2 == 0
-            return [limit if on else 0 for limit in limits]
+            return Choice([limit if on else 0 for limit in limits])
 
     for method in ("draft_model", "eagle3"):
         llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 3))

@@ -56,7 +56,8 @@ class LLMEngine:
         self.ids = itertools.count()
         self.in_flight: PendingStep | None = None  # a step queued on the device, not yet committed
         self.planned: StepPlan | None = None       # a drafting step planned ahead, to launch next
-        self.last_ready = 0.0                      # when the last step's tokens came back
+        self.last_ready: float | None = None       # when the last step's tokens came back (None: idle since)
+        self.unobserved: tuple | None = None       # the last step, for the policy to learn from during the next
         self.num_steps = 0
         self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
         self.num_generated_tokens = 0
@@ -122,18 +123,22 @@ class LLMEngine:
         self.in_flight = None
         if step is None:
             return []
+        self._observe_last()  # while the device runs this step: learn from the last, plan the next
+        ahead = None
         if self.config.async_scheduling and step.plan.plain_decode:
             ahead = self.scheduler.schedule_ahead(step.plan)
-            if ahead is not None and ahead.max_draft_len == 0:
-                self.in_flight = self._launch(ahead, after=step)
-                self.num_steps_ahead += 1
-            else:
-                self.planned = ahead
+        if ahead is None:
+            self.scheduler.choose_ahead(step.plan)
+        elif ahead.max_draft_len == 0:
+            self.in_flight = self._launch(ahead, after=step)
+            self.num_steps_ahead += 1
+        else:
+            self.planned = ahead
         result = step.result()
         now = time.perf_counter()
-        # A step queued behind another starts when that one's tokens are back.
-        self.scheduler.policy.observe(step.plan, result, now - max(step.started, self.last_ready))
-        self.last_ready = now
+        # What the step added to the wall time, host work between steps included (the last
+        # step's tokens came back at last_ready while the engine was busy).
+        self.unobserved = (step.plan, result, now - (self.last_ready or step.started))
         ended = [req.finished for req in step.plan.requests]  # before this step (their rows are dropped)
         self.scheduler.commit(step.plan, result)
         self.num_steps += 1
@@ -145,7 +150,15 @@ class LLMEngine:
             self.num_generated_tokens += n
             if req.finished or req.stream or req.params.stop:  # stop strings are found in the text
                 outputs.append(self._output(req))
+        self.last_ready = now if self.has_unfinished() else None
+        if self.last_ready is None:
+            self._observe_last()  # no step follows to hide it behind
         return outputs
+
+    def _observe_last(self) -> None:
+        if self.unobserved is not None:
+            self.scheduler.policy.observe(*self.unobserved)
+            self.unobserved = None
 
     def _next_plan(self) -> StepPlan:
         plan, self.planned = self.planned, None

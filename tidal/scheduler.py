@@ -36,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.spec = SpecStats()       # server-wide acceptance statistics
         self.draft_len_counts = [0] * (max_draft_len + 1)  # decoding rows per chosen K
+        self.ahead: tuple[dict[str, int], object] | None = None  # draft lengths (and note) chosen while the last step ran
         self.num_preemptions = 0
 
     # -- admission -----------------------------------------------------------------------
@@ -69,7 +70,10 @@ class Scheduler:
 
         # Running requests: a decode needs 1 token (+ drafts), a prefill continues its chunk.
         decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
-        draft_lens = self._draft_lens(decoding)
+        if self.ahead is not None:
+            (draft_lens, plan.choice), self.ahead = self.ahead, None
+        else:
+            draft_lens, plan.choice = self._draft_lens(decoding)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -114,6 +118,23 @@ class Scheduler:
             budget -= num_new
         return plan
 
+    def choose_ahead(self, plan: StepPlan) -> None:
+        """Let the policy choose the next step's draft lengths now, while `plan` runs on the
+        device, so that its host time hides behind the device's; schedule() then uses them.
+        Decoding next are the running requests whose rows sample now (less those this step
+        surely ends) and any decoding one the step left out. Each row may commit up to
+        1 + K_i tokens now: limits are taken as if it did, so the choice stays within them."""
+        if self.max_draft_len == 0:
+            return
+        in_plan = set(plan.requests)
+        commits = {r: 1 + k for i, (r, k) in enumerate(zip(plan.requests, plan.draft_lens)) if plan.samples(i)}
+        decoding = [r for r in self.running
+                    if (r in commits and r.num_output_tokens + 1 < r.params.max_tokens
+                        and r.num_tokens + 1 < self.max_model_len)
+                    or (r not in in_plan and r.num_computed == r.num_tokens - 1)]
+        if decoding:
+            self.ahead = self._draft_lens(decoding, [commits.get(r, 0) for r in decoding])
+
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next step's plan, made while `plan`, a plain decode of every running request,
         is still on the device (async scheduling), or None where its outcome could change
@@ -135,7 +156,7 @@ class Scheduler:
         spare = self.pool.num_free - sum(needs)
         if not reqs or spare < 0:
             return None
-        draft_lens = self._draft_lens(reqs, ahead=1)
+        draft_lens, choice = self._draft_lens(reqs, [1] * len(reqs))
         budget = self.max_num_batched_tokens - len(reqs)
         ks = []
         for req, need in zip(reqs, needs):
@@ -147,22 +168,23 @@ class Scheduler:
             spare -= extra
             budget -= k
             ks.append(k)
-        return StepPlan(reqs, [1] * len(reqs), ks)
+        return StepPlan(reqs, [1] * len(reqs), ks, choice)
 
-    def _draft_lens(self, decoding: list[Request], ahead: int = 0) -> dict[str, int]:
-        """K per decoding request, from the policy; `ahead` tokens not yet in their state
-        count as committed."""
+    def _draft_lens(self, decoding: list[Request], ahead: list[int] | None = None) -> tuple[dict[str, int], object]:
+        """K per decoding request, from the policy, and the policy's note on its choice;
+        `ahead[i]` tokens not yet in request i's state count as committed."""
         if not decoding or self.max_draft_len == 0:
-            return {}
+            return {}, None
+        ahead = ahead or [0] * len(decoding)
         # A request can commit at most K + 1 tokens; drafting past its end is waste.
         limits = [max(0, min(self.max_draft_len,
-                             r.params.max_tokens - r.num_output_tokens - ahead - 1,
-                             self.max_model_len - r.num_tokens - ahead - 1)) for r in decoding]
+                             r.params.max_tokens - r.num_output_tokens - a - 1,
+                             self.max_model_len - r.num_tokens - a - 1)) for r, a in zip(decoding, ahead)]
         chosen = self.policy.choose(decoding, limits, len(self.waiting))
         ks = [max(0, min(k, limit)) for k, limit in zip(chosen, limits)]
         for k in ks:
             self.draft_len_counts[k] += 1
-        return {r.request_id: k for r, k in zip(decoding, ks)}
+        return {r.request_id: k for r, k in zip(decoding, ks)}, chosen.note
 
     def prefill_demand(self, limit: int) -> int:
         """Prompt tokens that running and admissible waiting requests still have to feed

@@ -20,6 +20,7 @@ class StepPlan:
     requests: list[Request]
     num_new_tokens: list[int]   # tokens of the request's own sequence fed this step (prefill chunk, or 1)
     draft_lens: list[int]       # K_i >= 0 draft tokens to verify after them (0 = plain)
+    choice: object = None       # the policy's note on the choice of these K (Choice.note), for its observe
 
     def samples(self, i: int) -> bool:
         """Whether row i reaches the end of its known tokens, so the step produces tokens for it."""
@@ -41,7 +42,7 @@ class StepPlan:
         """The rows whose request still runs (a plan made ahead may hold one that ended since)."""
         keep = [i for i, r in enumerate(self.requests) if not r.finished]
         return StepPlan([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep],
-                        [self.draft_lens[i] for i in keep])
+                        [self.draft_lens[i] for i in keep], self.choice)
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_right
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -26,15 +25,27 @@ from tidal.step import StepPlan, StepResult
 class SpecPolicy(Protocol):
     name: str
 
-    def choose(self, requests: list[Request], limits: list[int], num_waiting: int) -> list[int]:
+    def choose(self, requests: list[Request], limits: list[int], num_waiting: int) -> Choice:
         ...
 
     def observe(self, plan: StepPlan, result: StepResult, step_time: float) -> None:
-        """What the step cost (seconds, proposer included) and what it accepted."""
+        """What the step cost (seconds of wall time it added, host work included) and what
+        it accepted."""
         ...
 
     def stats(self) -> dict:
         ...
+
+
+class Choice(list):
+    """K per request, and the policy's note on how it chose them: the scheduler carries the
+    note on the plan made from the choice (StepPlan.choice), and observe gets it back with
+    that plan, however many steps were chosen in between (async scheduling chooses the next
+    step's K before this step's outcome is seen)."""
+
+    def __init__(self, draft_lens, note=None):
+        super().__init__(draft_lens)
+        self.note = note
 
 
 class NoFeedback:
@@ -51,7 +62,7 @@ class Off(NoFeedback):
     name = "off"
 
     def choose(self, requests, limits, num_waiting):
-        return [0] * len(requests)
+        return Choice([0] * len(requests))
 
 
 class Fixed(NoFeedback):
@@ -63,7 +74,7 @@ class Fixed(NoFeedback):
         self.k = k
 
     def choose(self, requests, limits, num_waiting):
-        return [min(self.k, limit) for limit in limits]
+        return Choice([min(self.k, limit) for limit in limits])
 
 
 class Table(NoFeedback):
@@ -78,12 +89,12 @@ class Table(NoFeedback):
 
     def choose(self, requests, limits, num_waiting):
         k = self.ks[max(bisect_right(self.batch_sizes, len(requests)) - 1, 0)]
-        return [min(k, limit) for limit in limits]
+        return Choice([min(k, limit) for limit in limits])
 
 
 @dataclass
 class Decision:
-    """One step's choice, kept until the step is observed."""
+    """What goodput's observe needs back about a choice (its Choice.note)."""
 
     requested: dict[Request, int]  # K per decoding request, probes included (what verification is compared to)
     catch_up: int                  # tokens past K + 1 per request the drafter absorbs in the step
@@ -142,9 +153,6 @@ class Goodput:
         self.probe_overhead = probe_overhead  # a probe that costs this much of a step comes every probe_interval steps
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
-        # Decisions not yet observed, oldest first: with async scheduling the next step is
-        # chosen before this one's outcome is seen.
-        self.pending: deque[Decision] = deque()
         self.steps_since_drafting = 0
         self.num_decisions = self.num_held = self.num_probes = self.num_timed = 0
         self.predicted = self.observed = self.error = 0.0
@@ -220,10 +228,9 @@ class Goodput:
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
         self.num_probes += len(probes)
-        self.pending.append(Decision(dict(zip(requests, ks.tolist())), catch_up, {
+        return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, {
             "step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
             "held": held, "tokens_per_s": rate, "catch_up": catch_up}))
-        return ks.tolist()
 
     @staticmethod
     def _candidates(gain, limit, brings, cap):
@@ -297,22 +304,13 @@ class Goodput:
 
     # -- learning --------------------------------------------------------------------------
 
-    def _decision_for(self, plan) -> Decision | None:
-        """The pending decision this plan was made from (None for a plan without decodes).
-        Decisions whose requests all ended before their step ran are dropped on the way."""
-        while self.pending and all(r.finished for r in self.pending[0].requested):
-            if any(r in self.pending[0].requested for r in plan.requests):
-                break
-            self.pending.popleft()
-        if self.pending and any(r in self.pending[0].requested for r in plan.requests):
-            return self.pending.popleft()
-        return None
-
     def observe(self, plan, result, step_time):
-        decision = self._decision_for(plan)
-        if decision is None:  # a step without decodes learns nothing
+        decision = plan.choice
+        reqs = plan.requests
+        decoding = [i for i, r in enumerate(reqs) if decision is not None and r in decision.requested]
+        if not decoding:  # a step without decodes learns nothing
             return
-        reqs, requested = plan.requests, decision.requested
+        requested = decision.requested
         accepted = result.accept_lens.tolist()
         drafting = [i for i, r in enumerate(reqs) if requested.get(r, 0) > 0]
         if drafting:
@@ -320,7 +318,6 @@ class Goodput:
             self.acceptance.update(self.acceptance.rows([reqs[i] for i in drafting]),
                                    np.array([requested[reqs[i]] for i in drafting]),
                                    np.array([accepted[i] - 1 for i in drafting]))
-        decoding = [i for i, r in enumerate(reqs) if r in requested]
         ks = [plan.draft_lens[i] for i in decoding]
         prefill = sum(plan.num_new_tokens) - len(decoding)
         context = sum(reqs[i].num_computed + 1 for i in decoding)
