@@ -115,17 +115,18 @@ class LLMEngine:
         """One forward step. Returns an output (with the text delta) for every request
         that finished, and for every streaming one that committed tokens.
 
-        Async scheduling: while a plain decode step runs on the device, the next step is
-        planned and queued behind it, feeding the tokens this one samples straight from the
-        device; the host then commits this step while the device runs the next one. A next
-        step that drafts waits for this step's tokens (its proposer reads them)."""
+        Async scheduling: while a step that commits one token per row runs on the device
+        (plain decodes, prompts' last chunks), the next step is planned and queued behind it,
+        feeding the tokens this one samples straight from the device; the host then commits
+        this step while the device runs the next one. A next step that drafts waits for this
+        step's tokens (its proposer reads them); the policy still chooses its K meanwhile."""
         step = self.in_flight or self._launch(self._next_plan())
         self.in_flight = None
         if step is None:
             return []
         self._observe_last()  # while the device runs this step: learn from the last, plan the next
         ahead = None
-        if self.config.async_scheduling and step.plan.plain_decode:
+        if self.config.async_scheduling and step.plan.commits_one_token_each:
             ahead = self.scheduler.schedule_ahead(step.plan)
         if ahead is None:
             self.scheduler.choose_ahead(step.plan)

@@ -128,11 +128,12 @@ class ModelRunner:
                after: PendingStep | None = None) -> PendingStep:
         """Queue one step on the device; its `result()` waits for it. `drafts[i]` holds row
         i's K_i draft tokens; `draft_probs` [B, Kmax, V] the drafter's distributions (None for
-        a deterministic drafter). With `after` (a plain decode still in flight), the plan was
-        made ahead of it: each request is one token further than its state says, and feeds
-        the token `after` samples for it, taken on the device."""
+        a deterministic drafter). With `after` (a step still in flight that commits one token
+        per row), the plan was made ahead of it: each request is further than its state says
+        by the tokens its row there computes and the one it samples, which it feeds, taken on
+        the device."""
         reqs = plan.requests
-        ahead = int(after is not None)
+        computed = after.computed_for(reqs) if after else [0] * len(reqs)
         feeds = []
         for i, req in enumerate(reqs):
             start = req.num_computed
@@ -143,7 +144,7 @@ class ModelRunner:
         input_ids = after.sampled_for(reqs) if after else None
         width = 1 + plan.max_draft_len
         rows = [i for i in range(len(reqs)) if after or plan.samples(i)]
-        contexts, pages = [r.num_computed + ahead for r in reqs], [r.pages for r in reqs]
+        contexts, pages = [r.num_computed + n for r, n in zip(reqs, computed)], [r.pages for r in reqs]
         decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
         if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
             out, slot_mapping = self.graphs.run(feeds, contexts, pages, width, input_ids=input_ids)
@@ -170,7 +171,8 @@ class ModelRunner:
             logits = self.model.compute_logits(last).view(len(rows), width, -1)
             sampled = [reqs[i] for i in rows]
             st = self.sampling_tensors(sampled)
-            counters = to_device([r.num_output_tokens + ahead for r in sampled], torch.int64, self.device)
+            counters = to_device([r.num_output_tokens + int(after is not None) for r in sampled], torch.int64,
+                                 self.device)
             if width == 1:
                 step.tokens = sample(logits[:, 0], st, counters)[:, None]
                 out = step.tokens
@@ -215,9 +217,14 @@ class PendingStep:
         else:
             self.host = out
 
+    def computed_for(self, reqs: list) -> list[int]:
+        """Tokens this step computes for each of `reqs` (whose state does not show them yet)."""
+        fed = {id(r): n for r, n in zip(self.plan.requests, self.plan.num_new_tokens)}
+        return [fed[id(r)] for r in reqs]
+
     def sampled_for(self, reqs: list) -> torch.Tensor:
-        """The token this plain decode samples for each of `reqs`, on the device: what a step
-        queued behind it feeds."""
+        """The token this step samples for each of `reqs` (one per row), on the device: what a
+        step queued behind it feeds."""
         own = self.plan.requests
         if len(reqs) == len(own) and all(a is b for a, b in zip(reqs, own)):
             return self.tokens[:, 0]

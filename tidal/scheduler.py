@@ -121,13 +121,15 @@ class Scheduler:
     def choose_ahead(self, plan: StepPlan) -> None:
         """Let the policy choose the next step's draft lengths now, while `plan` runs on the
         device, so that its host time hides behind the device's; schedule() then uses them.
-        Decoding next are the running requests whose rows sample now (less those this step
-        surely ends) and any decoding one the step left out. Each row may commit up to
-        1 + K_i tokens now: limits are taken as if it did, so the choice stays within them."""
+        Chosen for are the requests decoding now (less those this step surely ends) and any
+        decoding one the step left out; a prompt that ends in this step starts at K = 0 (its
+        state does not show yet what its drafter would have to absorb). Each row may commit
+        up to 1 + K_i tokens now: limits are taken as if it did, so the choice stays within them."""
         if self.max_draft_len == 0:
             return
         in_plan = set(plan.requests)
-        commits = {r: 1 + k for i, (r, k) in enumerate(zip(plan.requests, plan.draft_lens)) if plan.samples(i)}
+        commits = {r: 1 + k for i, (r, n, k) in enumerate(zip(plan.requests, plan.num_new_tokens, plan.draft_lens))
+                   if n == 1 and plan.samples(i)}
         decoding = [r for r in self.running
                     if (r in commits and r.num_output_tokens + 1 < r.params.max_tokens
                         and r.num_tokens + 1 < self.max_model_len)
@@ -136,32 +138,36 @@ class Scheduler:
             self.ahead = self._draft_lens(decoding, [commits.get(r, 0) for r in decoding])
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
-        """The next step's plan, made while `plan`, a plain decode of every running request,
-        is still on the device (async scheduling), or None where its outcome could change
-        the next plan: requests wait to be admitted, or pages would have to be taken back.
+        """The next step's plan, made while `plan` (every running request, each committing
+        one token) is still on the device (async scheduling), or None where its outcome could
+        change the next plan: requests wait to be admitted, or pages would have to be taken back.
 
-        Each request is planned one token further than its state says. Those that surely end
-        with this token (their length limits) are left out; one that ends otherwise (EOS, a
-        stop string, an abort) has its row computed and dropped at commit. Nothing is
-        preempted, so no request loses pages a step in flight writes to."""
+        Each request is planned as if this step's tokens were in its state (its row's tokens
+        computed, one more known). Those that surely end with this token (their length limits)
+        are left out; one that ends otherwise (EOS, a stop string, an abort) has its row
+        computed and dropped at commit. Nothing is preempted, so no request loses pages a step
+        in flight writes to. Requests whose prompt ends in this step do not draft yet (as in
+        choose_ahead)."""
         running = [r for r in plan.requests if not r.finished]
         if self.waiting or len(running) != len(self.running) or \
                 any(a is not b for a, b in zip(running, self.running)):
             return None
+        fed = dict(zip(plan.requests, plan.num_new_tokens))
         reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
         ps = self.pool.page_size
         # Pages each needs for its next token, and more for its drafts.
-        needs = [pages_for(r.num_computed + 2, ps) - len(r.pages) for r in reqs]
+        needs = [pages_for(r.num_computed + fed[r] + 1, ps) - len(r.pages) for r in reqs]
         spare = self.pool.num_free - sum(needs)
         if not reqs or spare < 0:
             return None
-        draft_lens, choice = self._draft_lens(reqs, [1] * len(reqs))
+        decoding = [r for r in reqs if fed[r] == 1]
+        draft_lens, choice = self._draft_lens(decoding, [1] * len(decoding))
         budget = self.max_num_batched_tokens - len(reqs)
         ks = []
         for req, need in zip(reqs, needs):
             k = min(draft_lens.get(req.request_id, 0), budget)
-            extra = pages_for(req.num_computed + 2 + k, ps) - len(req.pages) - need
+            extra = pages_for(req.num_computed + fed[req] + 1 + k, ps) - len(req.pages) - need
             if extra > spare:
                 k, extra = 0, 0
             req.pages += self.pool.allocate(need + extra) if need + extra > 0 else []

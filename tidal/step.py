@@ -32,11 +32,11 @@ class StepPlan:
         return max(self.draft_lens, default=0)
 
     @property
-    def plain_decode(self) -> bool:
-        """Every row feeds its one last token and drafts nothing: each commits exactly one
-        token, so the next step can be planned before this one's tokens are known."""
-        return all(n == 1 for n in self.num_new_tokens) and not any(self.draft_lens) and \
-            all(self.samples(i) for i in range(len(self.requests)))
+    def commits_one_token_each(self) -> bool:
+        """Every row reaches the end of its known tokens (a decode, or a prompt's last chunk)
+        and drafts nothing: each commits exactly one token, so the next step can be planned
+        before this one's tokens are known."""
+        return not any(self.draft_lens) and all(self.samples(i) for i in range(len(self.requests)))
 
     def unfinished(self) -> "StepPlan":
         """The rows whose request still runs (a plan made ahead may hold one that ended since)."""

@@ -223,7 +223,9 @@ class Goodput:
                                           min(max(room - n, 0), demand), backlog[ks > 0].sum())
             return float(seconds), b + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
 
-        ks, probes = self._probe(ks, limit, rows, cap, worth)
+        # No probes while prompts wait for the budget: the batch is still growing, and what
+        # a probe would learn is worth most once the load has settled.
+        ks, probes = self._probe(ks, limit, rows, cap, worth) if not demand else (ks, [])
         catch_up = int(backlog[ks > 0].sum())
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
