@@ -277,6 +277,29 @@ def test_cost_model_moves_every_width_with_the_plain_step():
     assert after - before == pytest.approx(0.004, rel=0.2)
 
 
+def test_slow_drafting_steps_leave_the_plain_step_price_alone():
+    """K = 0's price is what plain steps take: drafting steps slower than profiled make
+    every K > 0 dearer (mostly the one seen), not the plain step, which the policy might
+    then never try again."""
+    model = CostModel.from_function(true_cost, *grid_axes(256, 4), padded=True)
+    plain, k2, k4 = (float(model.step_time(250, 250 * k, k, 250 if k else 0, 0)) for k in (0, 2, 4))
+    for _ in range(30):
+        observe_shape(model, 250, 5, k4 + 0.005)
+    assert float(model.step_time(250, 0, 0, 0, 0)) == pytest.approx(plain)
+    assert float(model.step_time(250, 1000, 4, 250, 0)) == pytest.approx(k4 + 0.005, rel=0.05)
+    assert k2 + 0.003 < float(model.step_time(250, 500, 2, 250, 0)) <= k2 + 0.005
+
+
+def test_cost_model_learns_the_price_of_catching_up():
+    """A drafter that catches up slower than profiled makes catching up dearer, and only that."""
+    model = CostModel.from_function(true_cost, *grid_axes(16, 4), catch_up_fixed=0.003, catch_up_token=1e-6)
+    drafting = float(model.step_time(8, 16, 2, 8, 0))
+    for _ in range(30):
+        model.observe(8, 16, 2, 8, 0, drafting + 2 * (0.003 + 0.01), catch_up=10_000)
+    assert float(model.catch_up_time(10_000)) == pytest.approx(2 * (0.003 + 0.01), rel=0.05)
+    assert float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(drafting)
+
+
 def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
     """A step whose drafter catches up over 10,000 tokens, or that carries a prompt chunk,
     is priced as such: neither raises the price of a plain decode step."""

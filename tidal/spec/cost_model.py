@@ -19,13 +19,19 @@
   tokens: several plain steps' worth.
 
 Each observed decode step corrects the prediction toward what the step really took, in
-two parts: a level per batch size, shared by every width (the engine's own overheads, a
-busier machine: these move all shapes alike), then what is left over to the grid cells
-around the step's shape (what the profile got wrong about that shape). Each is a running
-mean at first, then an exponential average. With no profile the grid starts at zero and
-is learned the same way: an unseen width looks as cheap as the plain step, so the policy
-tries it once and from then on knows its price. A step that carries prefill chunks
-corrects only the price of a compute-bound token, and only when that price sets its time.
+two parts: first a level per batch size, shared by every width (the engine's own
+overheads, a busier machine: these move all shapes alike), then what is left over to the
+grid cells around the step's shape (what the profile got wrong about that shape). Plain
+steps set the level; drafting steps set a second one, their overheads beyond it (with
+async scheduling a drafting step cannot be queued before the last step's tokens are
+known). K = 0's price thus stays what plain steps are seen to take however long the
+policy drafts; were a few slow drafting steps to raise it, K = 0 would look dear and,
+never tried again, stay so. Each is a running mean at first, then an exponential average. With no
+profile the grid starts at zero and is learned the same way: an unseen width looks as
+cheap as the plain step, so the policy tries it once and from then on knows its price.
+A step that carries prefill chunks corrects only the price of a compute-bound token, and
+only when that price sets its time; one whose drafter catches up corrects only the price
+of catching up (a scale on the profiled one).
 """
 
 from __future__ import annotations
@@ -66,8 +72,10 @@ class CostModel:
         self.grid = np.zeros(shape) if grid is None else np.array(grid, dtype=float)
         # Observations behind each cell; a measured cell counts as one.
         self.weight = np.zeros(shape) if grid is None else np.ones(shape)
-        self.level = np.zeros(shape[0])
-        self.level_weight = np.zeros(shape[0])
+        # Corrections per batch size, learned from plain steps [0] (every step pays it) and from
+        # drafting steps [1] (what they take beyond that), and their observations.
+        self.level = np.zeros((2, shape[0]))
+        self.level_weight = np.zeros((2, shape[0]))
         # Seconds per token of a compute-bound step: the largest shape's at first.
         self.token_price = self.grid[-1:, -1] / (self.batch_sizes[-1] * self.widths[-1])
         self.token_weight = self.weight[-1:, -1].copy()
@@ -79,6 +87,8 @@ class CostModel:
         self.draft_step = zeros if draft_step is None else np.asarray(draft_step, dtype=float)
         self.catch_up_fixed = catch_up_fixed
         self.catch_up_token = catch_up_token
+        self.catch_up_scale = np.ones(1)  # observed / profiled catch-up time
+        self.catch_up_weight = np.ones(1)
         self.correct_online = correct_online
         self.rate = rate
         self.source = source
@@ -93,10 +103,13 @@ class CostModel:
         return 1 + max_draft if self.padded else 1 + num_drafts / batch
 
     def _target(self, batch, num_drafts, max_draft):
-        """The target's forward for a decode step of this shape, from the grid."""
+        """The target's forward for a decode step of this shape: the grid, the level of every
+        step and, for a drafting step, the drafting steps' level on top."""
         lo, hi, f = bracket(batch, self.batch_sizes)
-        row = (1 - f) * (self.grid[lo] + self.level[lo]) + f * (self.grid[hi] + self.level[hi])
-        return np.interp(self._width(batch, num_drafts, max_draft), self.widths, row)
+        row = (1 - f) * self.grid[lo] + f * self.grid[hi]
+        level = (1 - f) * self.level[:, lo] + f * self.level[:, hi]
+        return (np.interp(self._width(batch, num_drafts, max_draft), self.widths, row)
+                + level[0] + np.where(np.asarray(num_drafts) > 0, level[1], 0.0))
 
     def step_time(self, batch: int, num_drafts, max_draft, num_drafting, context: float, prefill=0, catch_up=0):
         """Seconds for a step of `batch` decoding requests with `num_drafts` drafts in all, the
@@ -123,7 +136,7 @@ class CostModel:
         tokens = np.asarray(tokens, dtype=float)
         if not tokens.any():
             return 0.0
-        return np.where(tokens > 0, self.catch_up_fixed + self.catch_up_token * tokens, 0.0)
+        return np.where(tokens > 0, self.catch_up_scale[0] * (self.catch_up_fixed + self.catch_up_token * tokens), 0.0)
 
     def token_cost(self) -> float:
         """Seconds per token of a compute-bound step (the largest shape on the grid's, then
@@ -137,6 +150,12 @@ class CostModel:
         if not self.correct_online:
             return predicted
         error = seconds - predicted
+        if catch_up:
+            profiled = float(self.catch_up_time(catch_up)) / self.catch_up_scale[0]
+            if profiled > 0:
+                self._learn(self.catch_up_scale, self.catch_up_weight, ((0, 1.0),),
+                            max(min(error, predicted) / profiled, -self.catch_up_scale[0]))
+            return predicted
         if prefill:
             tokens = batch + num_drafts + prefill
             if self.token_weight[0] == 0:
@@ -146,10 +165,11 @@ class CostModel:
             return predicted
         b0, b1, f = bracket(batch, self.batch_sizes)
         w0, w1, g = bracket(self._width(batch, num_drafts, max_draft), self.widths)
+        kind = int(num_drafts > 0)
         measured = self.weight[b0, w0] > 0 and self.weight[b1, w1] > 0  # profiled, or observed before
-        if measured or (self.level_weight[b0] > 0 and self.level_weight[b1] > 0):
+        if measured or (self.level_weight[kind, b0] > 0 and self.level_weight[kind, b1] > 0):
             error = min(error, predicted)  # one slow step (a pause, a page fault) at most doubles the belief
-        error -= self._learn(self.level, self.level_weight, ((b0, 1 - f), (b1, f)), error)
+        error -= self._learn(self.level, self.level_weight, (((kind, b0), 1 - f), ((kind, b1), f)), error)
         cells = (((b0, w0), (1 - f) * (1 - g)), ((b0, w1), (1 - f) * g), ((b1, w0), f * (1 - g)), ((b1, w1), f * g))
         self._learn(self.grid, self.weight, cells, error)
         return predicted
