@@ -129,7 +129,7 @@ class Request:
             self.first_token_time = time.monotonic()
         if token in self.stop_ids:
             self.finish("stop", stop_reason=token if token in self.params.stop_token_ids else None)
-        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+        elif len(self.token_ids) >= min(self.num_prompt_tokens + self.params.max_tokens, max_model_len):
             self.finish("length")
         return self.finished
 

@@ -156,8 +156,9 @@ class Scheduler:
         reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens
                 and r.num_tokens + 1 < self.max_model_len]
         ps = self.pool.page_size
-        # Pages each needs for its next token, and more for its drafts.
-        needs = [pages_for(r.num_computed + fed[r] + 1, ps) - len(r.pages) for r in reqs]
+        # Where each request's next token goes; pages each needs for it, and more for its drafts.
+        ends = [r.num_computed + fed[r] + 1 for r in reqs]
+        needs = [pages_for(end, ps) - len(r.pages) for r, end in zip(reqs, ends)]
         spare = self.pool.num_free - sum(needs)
         if not reqs or spare < 0:
             return None
@@ -165,9 +166,9 @@ class Scheduler:
         draft_lens, choice = self._draft_lens(decoding, [1] * len(decoding))
         budget = self.max_num_batched_tokens - len(reqs)
         ks = []
-        for req, need in zip(reqs, needs):
+        for req, end, need in zip(reqs, ends, needs):
             k = min(draft_lens.get(req.request_id, 0), budget)
-            extra = pages_for(req.num_computed + fed[req] + 1 + k, ps) - len(req.pages) - need
+            extra = pages_for(end + k, ps) - len(req.pages) - need if k else 0
             if extra > spare:
                 k, extra = 0, 0
             req.pages += self.pool.allocate(need + extra) if need + extra > 0 else []
@@ -227,15 +228,17 @@ class Scheduler:
         for i, req in enumerate(plan.requests):
             if req.finished:  # ended while this step was in flight (async scheduling)
                 continue
-            n = accept_lens[i]
+            n, k = accept_lens[i], plan.draft_lens[i]
             req.num_computed += plan.num_new_tokens[i] + max(n - 1, 0)
-            req.num_absorbed = min(req.num_absorbed, req.num_computed)
-            req.spec.record(plan.draft_lens[i], n - 1)
-            self.spec.record(plan.draft_lens[i], n - 1)
-            for j, token in enumerate(tokens[i][:n]):
-                if result.logprobs is not None and req.logprobs is not None:
-                    req.logprobs.append(result.logprobs[i][j])
-                if req.append_token(token, self.max_model_len):
+            if k:
+                req.num_absorbed = min(req.num_absorbed, req.num_computed)
+                req.spec.record(k, n - 1)
+                self.spec.record(k, n - 1)
+            logprobs = result.logprobs[i] if result.logprobs is not None and req.logprobs is not None else None
+            for j in range(n):
+                if logprobs is not None:
+                    req.logprobs.append(logprobs[j])
+                if req.append_token(tokens[i][j], self.max_model_len):
                     break
             if req.finished:
                 self.running.remove(req)
@@ -244,8 +247,8 @@ class Scheduler:
                 continue
             # Pages that held only rejected drafts go back to the pool (not those of a
             # plain row, which a step planned ahead may already use).
-            keep = pages_for(req.num_computed, self.pool.page_size)
-            if plan.draft_lens[i] and len(req.pages) > keep:
+            if k:
+                keep = pages_for(req.num_computed, self.pool.page_size)
                 self.pool.free(req.pages[keep:])
                 del req.pages[keep:]
             self.pool.register(req.pages, req.page_keys, req.token_ids, req.num_computed)
