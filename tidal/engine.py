@@ -170,16 +170,13 @@ class LLMEngine:
         if not plan.requests:
             return None
         started = time.perf_counter()
-        drafts, probs = None, None
+        drafts = None
         rows = [i for i, k in enumerate(plan.draft_lens) if k > 0]
         if rows:
-            drafts = [[] for _ in plan.requests]
-            proposed, probs = self.proposer.propose(plan, rows)
-            for i, tokens in zip(rows, proposed):
-                drafts[i] = tokens
-                plan.draft_lens[i] = len(tokens)
+            drafts = self.proposer.propose(plan, rows)
+            plan.draft_lens = drafts.lens
         spec = self.config.speculative_config
-        step = self.runner.launch(plan, drafts, probs, spec.simulate_acceptance if spec else None, after)
+        step = self.runner.launch(plan, drafts, spec.simulate_acceptance if spec else None, after)
         step.started = started
         return step
 

@@ -20,7 +20,7 @@ from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
 from tidal.spec.verify import verify
-from tidal.step import StepPlan, StepResult
+from tidal.step import Drafts, StepPlan, StepResult
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -123,25 +123,24 @@ class ModelRunner:
         return max(2, int(budget // per_page))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, drafts: list[list[int]] | None = None,
-               draft_probs: torch.Tensor | None = None, simulate_acceptance: float | None = None,
+    def launch(self, plan: StepPlan, drafts: Drafts | None = None, simulate_acceptance: float | None = None,
                after: PendingStep | None = None) -> PendingStep:
-        """Queue one step on the device; its `result()` waits for it. `drafts[i]` holds row
-        i's K_i draft tokens; `draft_probs` [B, Kmax, V] the drafter's distributions (None for
-        a deterministic drafter). With `after` (a step still in flight that commits one token
-        per row), the plan was made ahead of it: each request is further than its state says
-        by the tokens its row there computes and the one it samples, which it feeds, taken on
-        the device."""
+        """Queue one step on the device; its `result()` waits for it. `drafts` holds what the
+        proposer drafted for the rows with K_i > 0, still on the device. With `after` (a step
+        still in flight that commits one token per row), the plan was made ahead of it: each
+        request is further than its state says by the tokens its row there computes and the
+        one it samples, which it feeds, taken on the device."""
         reqs = plan.requests
         computed = after.computed_for(reqs) if after else [0] * len(reqs)
         feeds = []
         for i, req in enumerate(reqs):
             start = req.num_computed
             feed = [0] if after else req.token_ids[start:start + plan.num_new_tokens[i]]
-            if plan.draft_lens[i]:
-                feed = feed + drafts[i]
-            feeds.append(feed)
-        input_ids = after.sampled_for(reqs) if after else None
+            feeds.append(feed + [0] * plan.draft_lens[i])  # drafts are written on the device
+        if after:
+            input_ids = after.sampled_for(reqs)
+        else:
+            input_ids = self._with_drafts(feeds, plan.draft_lens, drafts.tokens) if plan.max_draft_len else None
         width = 1 + plan.max_draft_len
         rows = [i for i in range(len(reqs)) if after or plan.samples(i)]
         contexts, pages = [r.num_computed + n for r, n in zip(reqs, computed)], [r.pages for r in reqs]
@@ -178,10 +177,12 @@ class ModelRunner:
                 out = step.tokens
             else:
                 k = to_device([plan.draft_lens[i] for i in rows], torch.int64, self.device)
-                padded = to_device([drafts[i] + [0] * (width - 1 - len(drafts[i])) if plan.draft_lens[i]
-                                    else [0] * (width - 1) for i in rows], torch.int64, self.device)
-                probs = draft_probs[rows, :width - 1] if draft_probs is not None else None
-                step.tokens, accepted = verify(logits, padded, probs, k, st, counters,
+                tokens, probs = drafts.tokens[:, :width - 1], drafts.probs
+                if len(rows) < len(reqs):
+                    index = to_device(rows, torch.int64, self.device)  # a host list as an index would sync
+                    tokens, probs = tokens[index], None if probs is None else probs[index]
+                probs = None if probs is None else probs[:, :width - 1]
+                step.tokens, accepted = verify(logits, tokens, probs, k, st, counters,
                                                simulate_acceptance=simulate_acceptance)
                 out = torch.cat([step.tokens, accepted[:, None]], dim=1)
             wanted = [r.params.logprobs for r in sampled]
@@ -191,6 +192,19 @@ class ModelRunner:
                                                           max(n or 0 for n in wanted)))
             step.copy_to_host(out)
         return step
+
+
+    def _with_drafts(self, feeds: list[list[int]], draft_lens: list[int], drafts: torch.Tensor) -> torch.Tensor:
+        """The step's input tokens on the device: each row's own tokens, then its drafts
+        (`drafts` [B, Kmax]) in place of the zeros `feeds` hold for them."""
+        flat, dst, src = [t for feed in feeds for t in feed], [], []
+        end, width = 0, drafts.shape[1]
+        for i, (feed, k) in enumerate(zip(feeds, draft_lens)):
+            end += len(feed)
+            dst += range(end - k, end)
+            src += range(i * width, i * width + k)
+        ids, dst, src = to_device(flat + dst + src, torch.int64, self.device).split([len(flat), len(dst), len(src)])
+        return ids.index_copy(0, dst, drafts.reshape(-1)[src])
 
 
 class PendingStep:

@@ -3,7 +3,7 @@
 A plain decode step is `draft_lens = 0`, `W = 1`, `accept_lens = 1`; a prefill chunk that
 does not reach the end of its prompt commits nothing (`accept_lens = 0`). The scheduler
 commits every row the same way: `token_ids[i, :accept_lens[i]]`; what was drafted is the
-plan's `draft_lens`.
+plan's `draft_lens`, and the drafts themselves reach the runner as `Drafts`.
 """
 
 from __future__ import annotations
@@ -52,3 +52,13 @@ class StepResult:
     # Per row, one {token id: logprob} dict per position (None for rows that did not ask);
     # None when no request asked.
     logprobs: list[list[dict[int, float]] | None] | None = None
+
+
+@dataclass
+class Drafts:
+    """What a proposer drafted for a plan's rows. The tokens stay on the device: the step
+    that verifies them is queued behind the drafter without the host waiting for it."""
+
+    tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
+    lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
+    probs: torch.Tensor | None = None  # [B, Kmax, V] the drafter's distributions; None for a deterministic one

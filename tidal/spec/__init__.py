@@ -10,7 +10,7 @@ def build_proposer(spec: SpecConfig, runner, target_config) -> Proposer:
     if spec.method == "ngram":
         from tidal.spec.ngram import NgramProposer
 
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
     if spec.method == "draft_model":
         from tidal.spec.draft_model import DraftModelProposer
 

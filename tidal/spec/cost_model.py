@@ -44,7 +44,7 @@ import torch
 
 from tidal.config import SamplingParams
 from tidal.request import Request
-from tidal.step import StepPlan
+from tidal.step import Drafts, StepPlan
 
 PROFILE_WIDTHS = (1, 2, 3, 5, 9, 17)
 GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
@@ -209,7 +209,7 @@ def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len:
 
     def run_target(b, w, context=ctx):
         plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
-        drafts = [[0] * (w - 1) for _ in range(b)]
+        drafts = Drafts(torch.zeros(b, w - 1, dtype=torch.int64, device=runner.device), [w - 1] * b) if w > 1 else None
         return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 
     def run_proposer(b, k, backlog=1):

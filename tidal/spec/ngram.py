@@ -3,15 +3,19 @@ sequence's last n tokens. No model, no state, deterministic (q is one-hot)."""
 
 from __future__ import annotations
 
-from tidal.step import StepPlan
+import torch
+
+from tidal.batch import to_device
+from tidal.step import Drafts, StepPlan
 
 
 class NgramProposer:
     bytes_per_page = 0
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, device: torch.device):
         self.min_n = min_n
         self.max_n = max_n
+        self.device = device
 
     def allocate_cache(self) -> None:
         pass
@@ -19,8 +23,13 @@ class NgramProposer:
     def warmup(self) -> None:
         pass
 
-    def propose(self, plan: StepPlan, rows: list[int]):
-        return [self.lookup(plan.requests[i].token_ids, plan.draft_lens[i]) for i in rows], None
+    def propose(self, plan: StepPlan, rows: list[int]) -> Drafts:
+        found = [[] for _ in plan.requests]
+        for i in rows:
+            found[i] = self.lookup(plan.requests[i].token_ids, plan.draft_lens[i])
+        width = max(plan.draft_lens)
+        tokens = to_device([f + [0] * (width - len(f)) for f in found], torch.int64, self.device)
+        return Drafts(tokens, [len(f) for f in found])
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):

@@ -1,9 +1,10 @@
 """The proposer protocol: a drafter plugged into the step, never a second path.
 
 `propose` is called only in steps where some request has K_i > 0, and only for those
-rows. It returns at most K_i tokens per row (fewer when it has nothing to say; the
-scheduler's reservation is then partly unused and released at commit), and the drafter's
-distributions [B, Kmax, V] if it sampled them, or None for a deterministic drafter.
+rows. It returns `Drafts`: at most K_i tokens per row (fewer when it has nothing to say;
+the scheduler's reservation is then partly unused and released at commit), on the device,
+and the drafter's distributions [B, Kmax, V] if it sampled them, or None for a
+deterministic drafter.
 
 A proposer with a KV cache of its own records in `request.num_absorbed` how many of the
 request's tokens that cache holds, and catches up over the ones it missed (K = 0 steps)
@@ -21,7 +22,7 @@ import torch
 from tidal.batch import ForwardBatch, to_device
 from tidal.graphs import CudaGraphs
 from tidal.layers.sampler import STREAM_DRAFT, processed_probs, sample_from_probs
-from tidal.step import StepPlan
+from tidal.step import Drafts, StepPlan
 
 
 class Proposer(Protocol):
@@ -35,14 +36,14 @@ class Proposer(Protocol):
         """Compile what it runs (GPU kernels) before the first request."""
         ...
 
-    def propose(self, plan: StepPlan, rows: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+    def propose(self, plan: StepPlan, rows: list[int]) -> Drafts:
         ...
 
 
 class ChainDrafter(ABC):
     """The loop shared by model drafters: one batched extend that catches each request up
     (its last position's logits give draft 1), then one decode per further draft position.
-    Draft tokens stay on the device until the end: one host copy per proposal."""
+    Draft tokens stay on the device: the host never waits for the drafter."""
 
     runner = None      # the target's ModelRunner (device, page size, pages)
     vocab_size = 0     # the target's vocabulary
@@ -129,7 +130,13 @@ class ChainDrafter(ABC):
             tokens[index, j] = self._sample(logits, st.select(live), counters[index] + j, probs, rows_t[index], j)
         for r, k in zip(reqs, ks):
             r.num_absorbed = self.absorbed(r, k)
-        return [row[:k] for row, k in zip(tokens.tolist(), ks)], probs
+        lens = [0] * len(plan.requests)
+        for i, k in zip(rows, ks):
+            lens[i] = k
+        if len(rows) < len(plan.requests):
+            tokens = torch.zeros(len(plan.requests), max(ks), dtype=torch.int64, device=device).index_copy_(
+                0, rows_t, tokens)
+        return Drafts(tokens, lens, probs)
 
     def _run(self, graphs, feeds, starts, pages, state, input_ids=None):
         """One forward, replayed from a graph when one fits."""
