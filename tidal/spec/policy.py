@@ -130,11 +130,9 @@ class Goodput:
         wait for the step's budget, though: the batch is still growing, and drafting that
         pays at this load may not at the one to come, so the catch-up is charged in full.
 
-    The previous decision is kept unless the new one is better by `hysteresis` (a request
-    not decided for before counts as at K = 0: starting to draft costs more than the model
-    sees, such as requests that no longer end together), and a request at K = 0 drafts one
-    token now and then (a probe, see `_probe`), so that its acceptance estimate does not
-    stay stale where it was left.
+    The previous decision is kept unless the new one is better by `hysteresis`, and a
+    request at K = 0 drafts one token now and then (a probe, see `_probe`), so that its
+    acceptance estimate does not stay stale where it was left.
     """
 
     name = "goodput"
@@ -210,7 +208,7 @@ class Goodput:
             scores = score(tokens, (n, longest, drafting), alone)
             j = int(np.argmax(scores))
             ks, rate = ks_of(j), float(rates[j])
-            previous = np.minimum([self.previous.get(r, 0) for r in requests], limit)
+            previous = np.minimum([self.previous.get(r, k) for r, k in zip(requests, ks.tolist())], limit)
             if not np.array_equal(previous, ks) and previous.sum() <= cap:
                 tokens, *shape = self._shape(gain, brings, previous)
                 alone = float(seconds(*shape))
