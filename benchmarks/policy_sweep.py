@@ -5,8 +5,15 @@
 
 Random weights with an EAGLE-3-shaped head; acceptance is SIMULATED (each draft accepted
 with probability a, whatever its value), so the numbers measure cost, not drafting skill.
-Each concurrency level c runs c requests of 128 prompt + 128 output tokens at once
-(offline, in-process). The bursty load alternates phases of 1 and 128 concurrent requests.
+Concurrency c means c clients in a closed loop (in-process): each sends its next request
+(128 prompt + 128 output tokens) as soon as its last one finishes, 2c + 1 requests in all.
+The figure is output tokens per second while all c clients are busy (from the first
+request's end to the last request's start): the steady state at that concurrency. A batch
+of c requests sent at once (what runs 6-17 measured) ends with a tail in which fewer and
+fewer requests run; speculation spreads the requests' ends over more steps, so the tail
+penalises it for something a loaded server does not see. The bursty load alternates
+phases of 1 and 128 clients (2 and 256 requests), and its figure is over the whole load:
+ramps and drains are what a bursty load is made of.
 All policies of one acceptance level share one engine (the policy object is swapped), so
 ratios compare like with like; goodput keeps what it learned from one cell to the next.
 
@@ -16,8 +23,7 @@ the previous cell left in the prefix cache, fall on each policy alike), and with
 every policy meets the same accept/reject draws (fixed request seeds; the second pass
 draws others). The table gives each cell's mean with its spread (half the distance
 between the two runs, in % of the mean) and goodput / best fixed policy from the means;
-the JSON keeps both runs. Kept at 128 + 128 tokens, as in earlier runs: the whole sweep
-took 205-220 s on an H200. Writes $OUT/policy_sweep.json and goodput's decision log per
+the JSON keeps both runs. Writes $OUT/policy_sweep.json and goodput's decision log per
 acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; written
 on local disk during the run, then copied); prints the table last.
 """
@@ -38,19 +44,47 @@ from tidal.spec.policy import Fixed, Off
 
 
 def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
-    """Output tokens per second over a sequence of phases (concurrency levels). Request j of
-    phase i has seed (seed, i, j): with simulated acceptance the seed and the output index
-    decide every accept test, so policies run with the same seed meet the same luck."""
-    tokens, start = 0, time.perf_counter()
-    drafted = llm.engine.stats()["spec"]["num_drafted"]
-    for i, c in enumerate(phases):
-        params = [SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, seed=(seed * 8 + i) * 1024 + j)
-                  for j in range(c)]
-        outs = llm.generate(random_prompts(c, prompt_len, vocab, seed=100 + i), params, use_tqdm=False)
-        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    """Output tokens per second over a sequence of phases of (clients, requests), each a
+    closed loop. Request j of phase i has seed (seed, i, j): with simulated acceptance the
+    seed and the output index decide every accept test, so policies run with the same seed
+    meet the same luck. `steady_tok_s` is the rate while every client of a single phase is
+    busy; `tok_s` is over everything."""
+    engine = llm.engine
+    drafted = engine.stats()["spec"]["num_drafted"]
+    generated, start = engine.num_generated_tokens, time.perf_counter()
+    window = []  # (time, tokens generated) at the first request's end and at the last start
+    for i, (clients, total) in enumerate(phases):
+        prompts = random_prompts(total, prompt_len, vocab, seed=100 + i)
+        submitted = 0
+
+        def submit():
+            nonlocal submitted
+            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
+                                    seed=(seed * 8 + i) * 1024 + submitted)
+            engine.add_request(engine.make_request(prompts[submitted], params))
+            submitted += 1
+
+        for _ in range(min(clients, total)):
+            submit()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished and submitted < total:
+                    if not window:
+                        window.append((time.perf_counter(), engine.num_generated_tokens))
+                    submit()
+                    if submitted == total:
+                        window.append((time.perf_counter(), engine.num_generated_tokens))
     seconds = time.perf_counter() - start
-    steps_drafted = llm.engine.stats()["spec"]["num_drafted"] - drafted
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "drafted": steps_drafted}
+    tokens = engine.num_generated_tokens - generated
+    (t0, n0), (t1, n1) = window[0], window[-1]
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "steady_tok_s": (n1 - n0) / (t1 - t0) if len(phases) == 1 and t1 > t0 else None,
+            "drafted": engine.stats()["spec"]["num_drafted"] - drafted}
+
+
+def rate(run):
+    """A cell's figure: the steady state of a single phase, the whole of a bursty load."""
+    return run["steady_tok_s"] or run["tok_s"]
 
 
 NAMES = ("off", "fixed:1", "fixed:2", "fixed:4", "goodput")
@@ -63,14 +97,14 @@ def main():
     device = "cpu" if args.smoke else "cuda"
     shape = SMOKE if args.smoke else LLAMA_8B
     levels = (1, 4) if args.smoke else (1, 10, 70, 250)
-    bursty = (1, 8, 1, 8) if args.smoke else (1, 128, 1, 128)
+    bursty = [(c, 2 * c) for c in ((1, 8, 1, 8) if args.smoke else (1, 128, 1, 128))]
     prompt_len, new_tokens = (16, 16) if args.smoke else (128, 128)
-    loads = {**{f"c={c}": (c,) for c in levels}, "bursty": bursty}
+    loads = {**{f"c={c}": [(c, 2 * c + 1)] for c in levels}, "bursty": bursty}
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"note": "random weights, EAGLE-3-shaped head, SIMULATED acceptance; each cell run twice",
-               "runs": {}}
-    max_seqs = max(max(levels), max(bursty))
+    results = {"note": "random weights, EAGLE-3-shaped head, SIMULATED acceptance; closed-loop clients; "
+                       "each cell run twice", "runs": {}}
+    max_seqs = max(c for phases in loads.values() for c, _ in phases)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, eagle_dir = write_model_dir(Path(tmp), shape), write_eagle_dir(Path(tmp), shape)
@@ -92,7 +126,7 @@ def main():
                     for load, phases in loads.items():
                         r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
                         results["runs"].setdefault(f"a={acc} {name} {load}", []).append(r)
-                        print(f"a={acc} {name:8} {load:6} {r['tok_s']:9.0f} tok/s", flush=True)
+                        print(f"a={acc} {name:8} {load:6} {rate(r):9.0f} tok/s", flush=True)
             results[f"policy_stats a={acc}"] = llm.engine.stats().get("policy")
             del llm, goodput, policies
             free_memory()
@@ -102,14 +136,15 @@ def main():
     table = []
     for acc in (0.6, 0.8):
         for load in loads:
-            runs = {n: [r["tok_s"] for r in results["runs"][f"a={acc} {n} {load}"]] for n in NAMES}
+            runs = {n: [rate(r) for r in results["runs"][f"a={acc} {n} {load}"]] for n in NAMES}
             mean = {n: sum(v) / len(v) for n, v in runs.items()}
             best = max(v for n, v in mean.items() if n != "goodput")
             table.append({"acceptance": acc, "load": load, **mean, "goodput_vs_best_fixed": mean["goodput"] / best,
                           "min": {n: min(v) for n, v in runs.items()}, "max": {n: max(v) for n, v in runs.items()}})
     results["table"] = table
     (out_dir / "policy_sweep.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"\ntok/s, mean of 2 runs +- half their spread; gp/best from the means ({results['seconds']:.0f} s in all)")
+    print(f"\noutput tok/s (steady state of c clients; bursty: whole load), mean of 2 runs +- half their spread; "
+          f"gp/best from the means ({results['seconds']:.0f} s in all)")
     print(f"{'acc':>4} {'load':>7} " + " ".join(f"{n:>13}" for n in NAMES) + f" {'gp/best':>8}")
     for row in table:
         cells = (f"{row[n]:9.0f} {50 * (row['max'][n] - row['min'][n]) / row[n]:2.0f}%" for n in NAMES)
