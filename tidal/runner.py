@@ -193,7 +193,6 @@ class ModelRunner:
             step.copy_to_host(out)
         return step
 
-
     def _with_drafts(self, feeds: list[list[int]], draft_lens: list[int], drafts: torch.Tensor) -> torch.Tensor:
         """The step's input tokens on the device: each row's own tokens, then its drafts
         (`drafts` [B, Kmax]) in place of the zeros `feeds` hold for them."""

@@ -114,7 +114,6 @@ class SamplingTensors:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return SamplingTensors(**{k: expand(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
-
     def select(self, rows: Sequence[int]) -> "SamplingTensors":
         """The subset of rows (host indices), e.g. the requests still drafting."""
         keep = set(rows)

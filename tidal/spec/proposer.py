@@ -121,13 +121,17 @@ class ChainDrafter(ABC):
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
         for j in range(1, max(ks)):
             live = [b for b, k in enumerate(ks) if k > j]
-            index = to_device(live, torch.int64, device)  # a host list as an index would sync
+            if len(live) == len(reqs):  # every row still drafts: whole tensors, no gathers
+                index, live_st, live_counters, live_rows = slice(None), st, counters, rows_t
+            else:
+                index = to_device(live, torch.int64, device)  # a host list as an index would sync
+                live_st, live_counters, live_rows = st.select(live), counters[index], rows_t[index]
             logits, out = self._run(self.draft_graphs, [[0]] * len(live),
                                     [self.next_position(reqs[b], j) for b in live], [pages[b] for b in live],
                                     None if state is None else state[index], tokens[index, j - 1])
             if state is not None:
                 state[index] = out
-            tokens[index, j] = self._sample(logits, st.select(live), counters[index] + j, probs, rows_t[index], j)
+            tokens[index, j] = self._sample(logits, live_st, live_counters + j, probs, live_rows, j)
         for r, k in zip(reqs, ks):
             r.num_absorbed = self.absorbed(r, k)
         lens = [0] * len(plan.requests)
