@@ -122,6 +122,32 @@ def test_greedy_lossless_with_random_k_per_request(models, plain, method):
         assert llm.engine.stats()["spec"]["num_steps"] > 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_greedy_lossless_when_drafts_share_a_step_with_a_prompt_chunk(models, plain, method):
+    """A small token budget chunks the long prompts while the short ones already draft:
+    drafting rows and rows that sample nothing share steps, greedy and sampling (the runner
+    then verifies only the rows that sample)."""
+    llm = LLM(model=models["target"], page_size=4, max_num_batched_tokens=10,
+              speculative_config=spec_config(models, method, 3))
+    if method == "ngram":
+        llm.engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+    launch, shared = llm.engine.runner.launch, []
+
+    def recording(plan, drafts=None, *args, **kwargs):
+        samples = [plan.samples(i) for i in range(len(plan.requests))]
+        shared.append(any(plan.draft_lens) and not all(samples))
+        return launch(plan, drafts, *args, **kwargs)
+
+    llm.engine.runner.launch = recording
+    got, _ = run(llm, repetitive_prompts(), greedy())
+    assert got == plain
+    assert any(shared), "no step had both drafts and a prompt chunk"
+    shared.clear()
+    fresh = [p[::-1] for p in repetitive_prompts()]  # not in the prefix cache: chunked again
+    sampled, _ = run(llm, fresh, SamplingParams(temperature=0.8, max_tokens=NEW_TOKENS, ignore_eos=True, seed=5))
+    assert [len(t) for t in sampled] == [NEW_TOKENS] * len(plain) and any(shared)
+
+
 def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):
     llm = LLM(model=models["target"], page_size=4,
               speculative_config=spec_config(models, "draft_model", 4, policy="off"))
