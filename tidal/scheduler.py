@@ -177,16 +177,16 @@ class Scheduler:
             ks.append(k)
         return StepPlan(reqs, [1] * len(reqs), ks, choice)
 
-    def _draft_lens(self, decoding: list[Request], ahead: list[int] | None = None) -> tuple[dict[str, int], object]:
+    def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None) -> tuple[dict[str, int], object]:
         """K per decoding request, from the policy, and the policy's note on its choice;
-        `ahead[i]` tokens not yet in request i's state count as committed."""
+        `pending[i]` tokens not yet in request i's state count as committed."""
         if not decoding or self.max_draft_len == 0:
             return {}, None
-        ahead = ahead or [0] * len(decoding)
+        pending = pending or [0] * len(decoding)
         # A request can commit at most K + 1 tokens; drafting past its end is waste.
         limits = [max(0, min(self.max_draft_len,
-                             r.params.max_tokens - r.num_output_tokens - a - 1,
-                             self.max_model_len - r.num_tokens - a - 1)) for r, a in zip(decoding, ahead)]
+                             r.params.max_tokens - r.num_output_tokens - n - 1,
+                             self.max_model_len - r.num_tokens - n - 1)) for r, n in zip(decoding, pending)]
         chosen = self.policy.choose(decoding, limits, len(self.waiting))
         ks = [max(0, min(k, limit)) for k, limit in zip(chosen, limits)]
         for k in ks:
