@@ -243,6 +243,8 @@ def test_metrics_move(server, client):
     assert after["tidal_time_to_first_token_seconds_count"] == before["tidal_time_to_first_token_seconds_count"] + 1
     assert after["tidal_time_per_output_token_seconds_count"] > before["tidal_time_per_output_token_seconds_count"]
     assert after["tidal_spec_draft_tokens_total"] == after["tidal_spec_draft_length_count"] == 0  # no speculation
+    assert after["tidal_steps_ahead_total"] > before["tidal_steps_ahead_total"]  # decodes queued ahead
+    assert "tidal_policy_decisions_total" not in after  # no goodput policy here
     assert httpx.get(f"{server}/health").status_code == 200
 
 
@@ -276,6 +278,22 @@ def test_speculation_metrics(checkpoint):
     assert m["tidal_spec_draft_length_sum"] == drafted
     count = m["tidal_spec_draft_length_count"]
     assert count - m["tidal_spec_draft_length_bucket{le=2}"] > count / 2
+
+
+def test_goodput_metrics(checkpoint):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "cost_model": "online", "simulate_acceptance": 0.6}
+    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256,
+                                    speculative_config=spec))
+    engine.proposer.lookup = lambda tokens, n: [3] * n
+    with uvicorn_thread(build_app(engine, MODEL)) as url:
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        client.completions.create(model=MODEL, prompt="Adapt", max_tokens=20, **GREEDY)
+        m = wait_idle(url)
+    policy = engine.stats()["policy"]
+    assert m["tidal_policy_decisions_total"] == policy["num_decisions"] > 0
+    assert m["tidal_policy_step_seconds{kind=observed}"] > 0 and m["tidal_policy_step_seconds{kind=predicted}"] > 0
+    assert m["tidal_policy_step_time_error"] == pytest.approx(policy["step_time"]["mean_abs_rel_error"])
+    assert {"tidal_policy_held_decisions_total", "tidal_policy_probes_total"} <= set(m)
 
 
 # -- `tidal serve` in a subprocess: the CLI, --api-key, and the SIGTERM drain ---------------

@@ -78,6 +78,8 @@ class EngineStatsCollector:
         yield CounterMetricFamily("tidal_preemptions", "Requests preempted for lack of KV pages",
                                   s["num_preemptions"])
         yield CounterMetricFamily("tidal_steps", "Engine forward steps", s["num_steps"])
+        yield CounterMetricFamily("tidal_steps_ahead", "Steps queued on the device behind the one before "
+                                  "(async scheduling)", s["num_steps_ahead"])
         yield CounterMetricFamily("tidal_generation_tokens", "Output tokens committed", s["num_generated_tokens"])
         spec = s["spec"]
         yield CounterMetricFamily("tidal_spec_draft_tokens", "Draft tokens proposed and verified",
@@ -93,9 +95,29 @@ class EngineStatsCollector:
         for position, rate in enumerate(spec["acceptance_per_position"], start=1):
             acceptance.add_metric([str(position)], rate)
         yield acceptance
+        yield from self.goodput(s["policy"])
         counts = s["policy"]["draft_len_counts"]  # [K] = decoding requests the policy gave K drafts
         cumulative = list(itertools.accumulate(counts))
         yield HistogramMetricFamily(
             "tidal_spec_draft_length", "Draft length K chosen for a decoding request in a step (0 = plain decode)",
             buckets=[(str(k), n) for k, n in enumerate(cumulative)] + [("+Inf", cumulative[-1])],
             sum_value=sum(k * n for k, n in enumerate(counts)))
+
+    @staticmethod
+    def goodput(policy: dict):
+        """The goodput policy's decisions and how well its cost model predicts step times."""
+        if policy["name"] != "goodput":
+            return
+        yield CounterMetricFamily("tidal_policy_decisions", "Draft-length decisions made", policy["num_decisions"])
+        yield CounterMetricFamily("tidal_policy_held_decisions", "Decisions that kept the previous K (hysteresis)",
+                                  policy["num_held"])
+        yield CounterMetricFamily("tidal_policy_probes", "One-token probes of requests sitting at K = 0",
+                                  policy["num_probes"])
+        times = policy["step_time"]
+        step = GaugeMetricFamily("tidal_policy_step_seconds", "The last observed step's time, as predicted and "
+                                 "as observed", labels=["kind"])
+        step.add_metric(["predicted"], times["predicted_s"])
+        step.add_metric(["observed"], times["observed_s"])
+        yield step
+        yield GaugeMetricFamily("tidal_policy_step_time_error", "Mean absolute relative error of predicted step "
+                                "times (exponential average)", times["mean_abs_rel_error"])
