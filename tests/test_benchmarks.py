@@ -1,0 +1,37 @@
+"""The GPU benchmark scripts on tiny shapes on the CPU (`--smoke`): a script that no longer
+runs would otherwise be found only when device time is spent on it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_smoke(script: str, out: Path) -> None:
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OUT": str(out), "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_gpu_fastpath_smoke(tmp_path):
+    run_smoke("gpu_fastpath.py", tmp_path)
+    results = json.loads((tmp_path / "gpu_fastpath.json").read_text())
+    assert not results.get("errors"), results.get("errors")
+    speed = results["speed"]
+    assert speed["plain_b1"]["tokens"] > 0 and speed["eagle3_sim08_k4_b1"]["spec"]["num_drafted"] > 0
+    assert 0 < speed["scheduler_overhead"]["fraction"] < 1
+
+
+def test_policy_sweep_smoke(tmp_path):
+    run_smoke("policy_sweep.py", tmp_path)
+    results = json.loads((tmp_path / "policy_sweep.json").read_text())
+    assert len(results["table"]) == 6  # two acceptance levels x (c = 1, c = 4, bursty)
+    for row in results["table"]:
+        assert all(row[name] > 0 for name in ("off", "fixed:1", "fixed:2", "fixed:4", "goodput"))
+    for acc in ("0.6", "0.8"):
+        lines = (tmp_path / f"decisions_a{acc}.jsonl").read_text().splitlines()
+        assert lines and {"k", "predicted_s", "observed_s"} <= set(json.loads(lines[-1]))
