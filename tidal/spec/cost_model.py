@@ -26,9 +26,9 @@ steps set the level; drafting steps set a second one, their overheads beyond it 
 async scheduling a drafting step cannot be queued before the last step's tokens are
 known). K = 0's price thus stays what plain steps are seen to take however long the
 policy drafts; were a few slow drafting steps to raise it, K = 0 would look dear and,
-never tried again, stay so. Each is a running mean at first, then an exponential average. With no
-profile the grid starts at zero and is learned the same way: an unseen width looks as
-cheap as the plain step, so the policy tries it once and from then on knows its price.
+never tried again, stay so. Each is a running mean at first, then an exponential average.
+With no profile the grid starts at zero and is learned the same way: an unseen width looks
+as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the price of a compute-bound token, and
 only when that price sets its time; one whose drafter catches up corrects only the price
 of catching up (a scale on the profiled one).
@@ -209,7 +209,9 @@ def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len:
 
     def run_target(b, w, context=ctx):
         plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
-        drafts = Drafts(torch.zeros(b, w - 1, dtype=torch.int64, device=runner.device), [w - 1] * b) if w > 1 else None
+        drafts = None
+        if w > 1:
+            drafts = Drafts(torch.zeros(b, w - 1, dtype=torch.int64, device=runner.device), [w - 1] * b)
         return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 
     def run_proposer(b, k, backlog=1):
