@@ -177,11 +177,11 @@ class ModelRunner:
                 out = step.tokens
             else:
                 k = to_device([plan.draft_lens[i] for i in rows], torch.int64, self.device)
-                tokens, probs = drafts.tokens[:, :width - 1], drafts.probs
+                tokens = drafts.tokens[:, :width - 1]
+                probs = None if drafts.probs is None else drafts.probs[:, :width - 1]
                 if len(rows) < len(reqs):
                     index = to_device(rows, torch.int64, self.device)  # a host list as an index would sync
                     tokens, probs = tokens[index], None if probs is None else probs[index]
-                probs = None if probs is None else probs[:, :width - 1]
                 step.tokens, accepted = verify(logits, tokens, probs, k, st, counters,
                                                simulate_acceptance=simulate_acceptance)
                 out = torch.cat([step.tokens, accepted[:, None]], dim=1)

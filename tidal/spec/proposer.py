@@ -1,10 +1,10 @@
 """The proposer protocol: a drafter plugged into the step, never a second path.
 
 `propose` is called only in steps where some request has K_i > 0, and only for those
-rows. It returns `Drafts`: at most K_i tokens per row (fewer when it has nothing to say;
-the scheduler's reservation is then partly unused and released at commit), on the device,
-and the drafter's distributions [B, Kmax, V] if it sampled them, or None for a
-deterministic drafter.
+rows. It returns `Drafts`: at most K_i tokens per row, on the device (fewer when it has
+nothing to say: the pages reserved for the rest go back at commit if the row drafted any,
+and otherwise stay for the request's next tokens), and the drafter's distributions
+[B, Kmax, V] if it sampled them, or None for a deterministic drafter.
 
 A proposer with a KV cache of its own records in `request.num_absorbed` how many of the
 request's tokens that cache holds, and catches up over the ones it missed (K = 0 steps)
