@@ -307,3 +307,21 @@ def test_eagle3_config_errors(tmp_path, checkpoint):
     (draft_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match=r"target_hidden_size 96.*aux layer ids \[9\]"):
         Eagle3Config.from_pretrained(draft_path, target_cfg)
+
+
+def test_advance_moves_each_row_to_its_next_position_until_its_limit():
+    """A drafter's later steps move one batch on in place instead of building a new one; it
+    must equal the batch built at the next positions, across page boundaries, and a row
+    at its limit stays put and stores nothing."""
+    pages = [[3, 1, 4], [5, 2], [7, 6, 8]]
+    batch = ForwardBatch.build([[0]] * 3, [2, 3, 6], pages, PAGE_SIZE, "cpu")
+    limits = torch.tensor([6, 5, 8])
+    for step in range(1, 5):
+        batch.advance(limits, PAGE_SIZE)
+        positions = [min(p + step, limit - 1) for p, limit in zip([2, 3, 6], limits.tolist())]
+        built = ForwardBatch.build([[0]] * 3, positions, pages, PAGE_SIZE, "cpu")
+        live = [p + step < limit for p, limit in zip([2, 3, 6], limits.tolist())]
+        assert batch.positions.tolist() == built.positions.tolist()
+        assert batch.seq_lens.tolist() == built.seq_lens.tolist()
+        assert batch.slot_mapping.tolist() == [s if ok else -1 for s, ok in zip(built.slot_mapping.tolist(), live)]
+    assert batch.positions.tolist() == [5, 4, 7]

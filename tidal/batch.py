@@ -17,10 +17,15 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
     """Host data as a device tensor, copied without waiting for the device. A plain
     `torch.tensor(data, device=...)` synchronises the stream, so the host stops queueing
     work until the GPU has drained; a copy from pinned memory does not."""
-    t = torch.tensor(data, dtype=dtype)
     if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
+        return to_host_pinned(data, dtype).to(device, non_blocking=True)
+    return torch.tensor(data, dtype=dtype)
+
+
+def to_host_pinned(data, dtype: torch.dtype) -> torch.Tensor:
+    """Host data in pinned memory, the source of a copy to the device that does not wait.
+    PyTorch's pinned allocator keeps the block until that copy has run."""
+    return torch.tensor(data, dtype=dtype).pin_memory()
 
 
 @dataclass
@@ -49,39 +54,58 @@ class ForwardBatch:
         page_tables: list[list[int]],
         page_size: int,
         device: torch.device | str,
-        pad_seqs: int = 0,
-        pad_tokens: int = 0,
     ) -> "ForwardBatch":
         """Build from per-request query tokens, the number of tokens already in the KV cache
-        before them, and each request's page table. Padding (for a captured graph) adds
-        requests with no tokens and tokens that belong to no request and write nowhere."""
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens = []
-        for tokens, ctx, pages in zip(token_ids, context_lens, page_tables):
-            for pos in range(ctx, ctx + len(tokens)):
-                positions.append(pos)
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-            starts.append(starts[-1] + len(tokens))
-            seq_lens.append(ctx + len(tokens))
-        flat_ids = [t for tokens in token_ids for t in tokens]
-        extra_tokens = max(pad_tokens - len(flat_ids), 0)
-        extra_seqs = max(pad_seqs - len(seq_lens), 0)
-        width = max(len(p) for p in page_tables)
-        table = [page for p in page_tables for page in p + [0] * (width - len(p))] + [0] * (width * extra_seqs)
-        parts = [flat_ids + [0] * extra_tokens, positions + [0] * extra_tokens, slots + [-1] * extra_tokens,
-                 starts + [starts[-1]] * extra_seqs, seq_lens + [0] * extra_seqs, table]
-        # One host-to-device copy for all of it (each copy costs the host more than a kernel).
-        flat = to_device([x for part in parts for x in part], torch.int64, device)
-        ids, pos, slot_mapping, query_start_loc, lens, pages = flat.split([len(part) for part in parts])
+        before them, and each request's page table."""
+        tokens, rows, table = host_parts(token_ids, context_lens, page_tables, page_size)
+        # Two host-to-device copies for all of it (each copy costs the host more than a kernel).
+        ids, pos, slot_mapping = to_device(tokens, torch.int64, device).view(3, -1)
+        n = len(token_ids)
+        rows = to_device(rows, torch.int32, device)
         return ForwardBatch(
             input_ids=ids,
             positions=pos,
-            query_start_loc=query_start_loc.int(),
-            seq_lens=lens.int(),
-            page_table=pages.view(len(page_tables) + extra_seqs, width).int(),
+            query_start_loc=rows[:n + 1],
+            seq_lens=rows[n + 1:],
+            page_table=to_device(table, torch.int32, device),
             slot_mapping=slot_mapping,
             max_query_len=max(len(t) for t in token_ids),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(c + len(t) for c, t in zip(context_lens, token_ids)),
         )
+
+    def advance(self, limits: torch.Tensor, page_size: int) -> None:
+        """For a batch of one query token per request: move each request's token to the next
+        position while that stays below its limit; a request at its limit stays put and
+        stores nothing. A drafter's steps after the first reuse one batch (or one graph's
+        inputs) this way, without the host."""
+        step = self.positions + 1 < limits
+        self.positions.add_(step)
+        self.seq_lens.add_(step)
+        pages = self.page_table.gather(1, (self.positions // page_size).unsqueeze(1)).squeeze(1)
+        self.slot_mapping.copy_(torch.where(step, pages * page_size + self.positions % page_size, -1))
+
+
+def host_parts(token_ids: list[list[int]], context_lens: list[int], page_tables: list[list[int]], page_size: int,
+               pad_seqs: int = 0, pad_tokens: int = 0) -> tuple[list[int], list[int], list[list[int]]]:
+    """A batch's fields as host lists: input ids, positions and slot mapping one after the
+    other (each `max(T, pad_tokens)` long); query_start_loc then seq_lens (for
+    `max(B, pad_seqs)` requests); page tables padded to a common width. Padding (for a
+    captured graph) adds requests with no tokens, and tokens that belong to no request and
+    store nowhere."""
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    seq_lens = []
+    for tokens, ctx, pages in zip(token_ids, context_lens, page_tables):
+        for pos in range(ctx, ctx + len(tokens)):
+            positions.append(pos)
+            slots.append(pages[pos // page_size] * page_size + pos % page_size)
+        starts.append(starts[-1] + len(tokens))
+        seq_lens.append(ctx + len(tokens))
+    extra_tokens = max(pad_tokens - len(positions), 0)
+    extra_seqs = max(pad_seqs - len(seq_lens), 0)
+    width = max(len(p) for p in page_tables)
+    table = [p + [0] * (width - len(p)) for p in page_tables]
+    tokens = ([t for ids in token_ids for t in ids] + [0] * extra_tokens + positions + [0] * extra_tokens
+              + slots + [-1] * extra_tokens)
+    return tokens, starts + [starts[-1]] * extra_seqs + seq_lens + [0] * extra_seqs, table

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from tidal.batch import ForwardBatch
+from tidal.batch import ForwardBatch, host_parts, to_host_pinned
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -34,29 +34,21 @@ class CudaGraphs:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.widths = list(range(1, max_width + 1))
         max_tokens = max_batch * max_width
-        max_pages = -(-max_model_len // page_size)
-        self.static = ForwardBatch(
-            input_ids=torch.zeros(max_tokens, dtype=torch.int64, device=device),
-            positions=torch.zeros(max_tokens, dtype=torch.int64, device=device),
-            query_start_loc=torch.zeros(max_batch + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.zeros(max_batch, dtype=torch.int32, device=device),
-            page_table=torch.zeros(max_batch, max_pages, dtype=torch.int32, device=device),
-            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.int64, device=device),
-            max_query_len=max_width,
-            max_seq_len=max_model_len,
-        )
+        # The inputs, laid out so that a step fills them in three host-to-device copies: a
+        # graph of T tokens reads its ids, positions and slots from tokens[:3T] and
+        # query_start_loc and seq_lens of its B requests from rows[:2B + 1].
+        self.tokens = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
+        self.rows = torch.zeros(2 * max_batch + 1, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_batch, -(-max_model_len // page_size), dtype=torch.int32, device=device)
         self.state = (torch.zeros(max_tokens, state_width, dtype=state_dtype, device=device)
                       if state_width else None)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, object]] = {}
 
     def view(self, b: int, w: int) -> ForwardBatch:
-        s = self.static
-        return ForwardBatch(s.input_ids[:b * w], s.positions[:b * w], s.query_start_loc[:b + 1], s.seq_lens[:b],
-                            s.page_table[:b], s.slot_mapping[:b * w], max_query_len=w,
-                            max_seq_len=self.max_model_len)
-
-    def state_view(self, num_tokens: int) -> torch.Tensor | None:
-        return None if self.state is None else self.state[:num_tokens]
+        t = b * w
+        ids, positions, slots = self.tokens[:3 * t].view(3, t)
+        return ForwardBatch(ids, positions, self.rows[:b + 1], self.rows[b + 1:2 * b + 1], self.page_table[:b],
+                            slots, max_query_len=w, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -64,7 +56,8 @@ class CudaGraphs:
         stream = torch.cuda.Stream(self.device)
         for w in reversed(self.widths):          # largest first: later graphs reuse its memory
             for b in reversed(self.buckets):
-                batch, state = self.view(b, w), self.state_view(b * w)
+                batch = self.view(b, w)
+                state = None if self.state is None else self.state[:b * w]
                 batch.query_start_loc.copy_(torch.arange(0, b * w + 1, w, dtype=torch.int32))
                 batch.seq_lens.fill_(w)
                 batch.slot_mapping.fill_(-1)
@@ -76,31 +69,42 @@ class CudaGraphs:
                 with torch.cuda.graph(graph, pool=pool):
                     out = self.forward(batch, state)
                 pool = graph.pool()
-                self.graphs[(b, w)] = (graph, out)
+                self.graphs[(b, w)] = (graph, batch, out)
         torch.cuda.synchronize(self.device)
 
     def fits(self, num_seqs: int, width: int) -> bool:
         return num_seqs <= self.buckets[-1] and width <= self.widths[-1]
 
-    def run(self, feeds: list[list[int]], context_lens: list[int], page_tables: list[list[int]], width: int,
-            state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
-        """Replay the graph for these rows (`input_ids` on the device, if given, replace the
-        fed tokens). Returns the outputs of the real tokens (or rows) and their slot mapping."""
+    def load(self, feeds: list[list[int]], context_lens: list[int], page_tables: list[list[int]], width: int,
+             state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> tuple[int, int]:
+        """Fill the inputs of the graph for these rows (`input_ids` on the device, if given,
+        replace the fed tokens). Returns that graph's key."""
         b = next(size for size in self.buckets if size >= len(feeds))
-        batch = ForwardBatch.build(feeds, context_lens, page_tables, self.page_size, self.device,
-                                   pad_seqs=b, pad_tokens=b * width)
-        view = self.view(b, width)
-        for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "slot_mapping"):
-            getattr(view, name).copy_(getattr(batch, name))
-        view.page_table[:, :batch.page_table.shape[1]].copy_(batch.page_table)
+        tokens, rows, table = host_parts(feeds, context_lens, page_tables, self.page_size, pad_seqs=b,
+                                         pad_tokens=b * width)
+        self.tokens[:len(tokens)].copy_(to_host_pinned(tokens, torch.int64), non_blocking=True)
+        self.rows[:len(rows)].copy_(to_host_pinned(rows, torch.int32), non_blocking=True)
+        self.page_table[:len(table), :len(table[0])].copy_(to_host_pinned(table, torch.int32), non_blocking=True)
         num_tokens = sum(len(f) for f in feeds)
+        batch = self.graphs[(b, width)][1]
         if input_ids is not None:
-            view.input_ids[:num_tokens].copy_(input_ids)
+            batch.input_ids[:num_tokens].copy_(input_ids)
         if state is not None:
             self.state[:num_tokens].copy_(state)
-        graph, out = self.graphs[(b, width)]
+        return b, width
+
+    def replay(self, key: tuple[int, int], num_tokens: int, num_seqs: int):
+        """Replay a loaded graph. Returns the outputs of the real tokens (or rows) and their
+        slot mapping."""
+        graph, batch, out = self.graphs[key]
         graph.replay()
-        n = len(feeds) if self.per_row else num_tokens
+        n = num_seqs if self.per_row else num_tokens
         if isinstance(out, tuple):
-            return tuple(o if o is None else o[:n] for o in out), view.slot_mapping[:num_tokens]
-        return out[:n], view.slot_mapping[:num_tokens]
+            return tuple(o if o is None else o[:n] for o in out), batch.slot_mapping[:num_tokens]
+        return out[:n], batch.slot_mapping[:num_tokens]
+
+    def run(self, feeds: list[list[int]], context_lens: list[int], page_tables: list[list[int]], width: int,
+            state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
+        """`load`, then `replay`."""
+        key = self.load(feeds, context_lens, page_tables, width, state, input_ids)
+        return self.replay(key, sum(len(f) for f in feeds), len(feeds))

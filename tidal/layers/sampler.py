@@ -114,11 +114,6 @@ class SamplingTensors:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return SamplingTensors(**{k: expand(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
-    def select(self, rows: Sequence[int]) -> "SamplingTensors":
-        """The subset of rows (host indices), e.g. the requests still drafting."""
-        keep = set(rows)
-        return self.repeat_rows([1 if i in keep else 0 for i in range(self.seeds.shape[0])])
-
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """The distribution actually sampled from, [N, V] float32: logits / temperature, then

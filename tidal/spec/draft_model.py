@@ -22,8 +22,7 @@ class DraftModelProposer(ChainDrafter):
             raise ValueError(
                 f"speculative_config.model: drafter vocabulary ({self.config.vocab_size} tokens) differs from "
                 f"the target's ({target_config.vocab_size})")
-        self.runner = runner
-        self.vocab_size = target_config.vocab_size
+        super().__init__(runner, target_config.vocab_size)
         self.model = load_model(model_dir, runner.dtype, runner.device, runner.attn, runner.config.load_format)
         self.kv_caches: list[torch.Tensor] = []
 

@@ -45,10 +45,15 @@ class ChainDrafter(ABC):
     (its last position's logits give draft 1), then one decode per further draft position.
     Draft tokens stay on the device: the host never waits for the drafter."""
 
-    runner = None      # the target's ModelRunner (device, page size, pages)
-    vocab_size = 0     # the target's vocabulary
     catch_up_graphs: CudaGraphs | None = None
     draft_graphs: CudaGraphs | None = None
+
+    def __init__(self, runner, vocab_size: int):
+        self.runner = runner          # the target's ModelRunner (device, page size, pages)
+        self.vocab_size = vocab_size  # the target's vocabulary
+        # Per row, the position the draft steps stop before (`ForwardBatch.advance`); the
+        # draft graphs read it in place.
+        self.limits = torch.zeros(runner.config.max_num_seqs, dtype=torch.int64, device=runner.device)
 
     @abstractmethod
     def catch_up(self, reqs) -> tuple[list[list[int]], list[int], torch.Tensor | None]:
@@ -56,7 +61,7 @@ class ChainDrafter(ABC):
 
     @abstractmethod
     def next_position(self, req, j: int) -> int:
-        """Position of the token fed at draft step j >= 1."""
+        """Position of the token fed at draft step j >= 1 (j = 0: the catch-up's last)."""
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, state: torch.Tensor | None):
@@ -92,8 +97,9 @@ class ChainDrafter(ABC):
         """Graphs for catch-ups of up to K + 1 tokens per request (what follows a verify
         step; longer ones run eagerly) or for the one-token draft steps."""
         runner = self.runner
-        graphs = CudaGraphs(self.forward, runner.page_size, runner.max_model_len, runner.config.max_num_seqs,
-                            width, runner.device, self.state_width(catching_up), runner.dtype, per_row=True)
+        graphs = CudaGraphs(self.forward if catching_up else self._draft_step, runner.page_size,
+                            runner.max_model_len, runner.config.max_num_seqs, width, runner.device,
+                            self.state_width(catching_up), runner.dtype, per_row=True)
         graphs.capture()
         return graphs
 
@@ -119,19 +125,10 @@ class ChainDrafter(ABC):
         feeds, starts, state = self.catch_up(reqs)
         logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state)
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
-        for j in range(1, max(ks)):
-            live = [b for b, k in enumerate(ks) if k > j]
-            if len(live) == len(reqs):  # every row still drafts: whole tensors, no gathers
-                index, live_st, live_counters, live_rows = slice(None), st, counters, rows_t
-            else:
-                index = to_device(live, torch.int64, device)  # a host list as an index would sync
-                live_st, live_counters, live_rows = st.select(live), counters[index], rows_t[index]
-            logits, out = self._run(self.draft_graphs, [[0]] * len(live),
-                                    [self.next_position(reqs[b], j) for b in live], [pages[b] for b in live],
-                                    None if state is None else state[index], tokens[index, j - 1])
-            if state is not None:
-                state[index] = out
-            tokens[index, j] = self._sample(logits, live_st, live_counters + j, probs, live_rows, j)
+        if max(ks) > 1:
+            draft = self._draft_steps(reqs, ks, pages, state)
+            for j in range(1, max(ks)):
+                tokens[:, j] = self._sample(draft(tokens[:, j - 1]), st, counters + j, probs, rows_t, j)
         for r, k in zip(reqs, ks):
             r.num_absorbed = self.absorbed(r, k)
         lens = [0] * len(plan.requests)
@@ -142,15 +139,49 @@ class ChainDrafter(ABC):
                 0, rows_t, tokens)
         return Drafts(tokens, lens, probs)
 
-    def _run(self, graphs, feeds, starts, pages, state, input_ids=None):
+    def _run(self, graphs, feeds, starts, pages, state):
         """One forward, replayed from a graph when one fits."""
         width = max(len(f) for f in feeds)
         if graphs is not None and graphs.fits(len(feeds), width):
-            return graphs.run(feeds, starts, pages, width, state, input_ids)[0]
-        batch = ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device)
-        if input_ids is not None:
-            batch.input_ids.copy_(input_ids)
-        return self.forward(batch, state)
+            return graphs.run(feeds, starts, pages, width, state)[0]
+        return self.forward(ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device),
+                            state)
+
+    def _draft_steps(self, reqs, ks, pages, state):
+        """The one-token steps after the catch-up, as a function from the tokens to feed to
+        the logits. Their inputs are set once, at each row's last catch-up position; each
+        step then moves every row on by one position (`ForwardBatch.advance`) on the device,
+        inside the graph when one fits: the host only feeds the tokens and replays. A row
+        past its own K stays put and stores nothing (its drafts there are not used)."""
+        runner, n = self.runner, len(reqs)
+        limits = [self.next_position(r, k) for r, k in zip(reqs, ks)]
+        self.limits.copy_(to_device(limits + [0] * (len(self.limits) - n), torch.int64, runner.device))
+        feeds, starts = [[0]] * n, [self.next_position(r, 0) for r in reqs]
+        graphs = self.draft_graphs
+        if graphs is not None and graphs.fits(n, 1):
+            key = graphs.load(feeds, starts, pages, 1, state)
+            batch = graphs.graphs[key][1]
+
+            def step(tokens):
+                batch.input_ids[:n].copy_(tokens)
+                return graphs.replay(key, n, n)[0]
+            return step
+        batch = ForwardBatch.build(feeds, starts, pages, runner.page_size, runner.device)
+        batch.max_seq_len = max(limits)
+
+        def step(tokens):
+            batch.input_ids.copy_(tokens)
+            return self._draft_step(batch, state)
+        return step
+
+    def _draft_step(self, batch: ForwardBatch, state: torch.Tensor | None) -> torch.Tensor:
+        """Move every row on by one position, then run the drafter there; its output state
+        is the next step's input."""
+        batch.advance(self.limits[:batch.num_seqs], self.runner.page_size)
+        logits, out = self.forward(batch, state)
+        if state is not None:
+            state.copy_(out)
+        return logits
 
     def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
         if st.all_greedy:
