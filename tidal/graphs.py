@@ -58,9 +58,11 @@ class CudaGraphs:
             for b in reversed(self.buckets):
                 batch = self.view(b, w)
                 state = None if self.state is None else self.state[:b * w]
+                batch.input_ids.zero_()  # graphs' inputs overlap: clear what another left here
+                batch.positions.zero_()
+                batch.slot_mapping.fill_(-1)
                 batch.query_start_loc.copy_(torch.arange(0, b * w + 1, w, dtype=torch.int32))
                 batch.seq_lens.fill_(w)
-                batch.slot_mapping.fill_(-1)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self.forward(batch, state)  # compile and warm up
@@ -86,12 +88,16 @@ class CudaGraphs:
         self.rows[:len(rows)].copy_(to_host_pinned(rows, torch.int32), non_blocking=True)
         self.page_table[:len(table), :len(table[0])].copy_(to_host_pinned(table, torch.int32), non_blocking=True)
         num_tokens = sum(len(f) for f in feeds)
-        batch = self.graphs[(b, width)][1]
+        batch = self.inputs((b, width))
         if input_ids is not None:
             batch.input_ids[:num_tokens].copy_(input_ids)
         if state is not None:
             self.state[:num_tokens].copy_(state)
         return b, width
+
+    def inputs(self, key: tuple[int, int]) -> ForwardBatch:
+        """The input buffers the graph of this key reads."""
+        return self.graphs[key][1]
 
     def replay(self, key: tuple[int, int], num_tokens: int, num_seqs: int):
         """Replay a loaded graph. Returns the outputs of the real tokens (or rows) and their

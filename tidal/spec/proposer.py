@@ -160,7 +160,7 @@ class ChainDrafter(ABC):
         graphs = self.draft_graphs
         if graphs is not None and graphs.fits(n, 1):
             key = graphs.load(feeds, starts, pages, 1, state)
-            batch = graphs.graphs[key][1]
+            batch = graphs.inputs(key)
 
             def step(tokens):
                 batch.input_ids[:n].copy_(tokens)
