@@ -14,7 +14,6 @@ when drafting resumes. The scheduler keeps `num_absorbed <= num_computed` (at co
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 from typing import Protocol
 
@@ -46,12 +45,12 @@ class ChainDrafter(ABC):
     (its last position's logits give draft 1), then one decode per further draft position.
     Draft tokens stay on the device: the host never waits for the drafter."""
 
+    catch_up_graphs: CudaGraphs | None = None
+    draft_graphs: CudaGraphs | None = None
+
     def __init__(self, runner, vocab_size: int):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
-        self.catch_up_graphs: CudaGraphs | None = None
-        self.draft_graphs: CudaGraphs | None = None         # one draft step
-        self.greedy_graphs: dict[int, CudaGraphs] = {}      # n greedy draft steps in one graph, per n < K
         # Per row, the position the draft steps stop before (`ForwardBatch.advance`); the
         # draft graphs read it in place.
         self.limits = torch.zeros(runner.config.max_num_seqs, dtype=torch.int64, device=runner.device)
@@ -91,18 +90,16 @@ class ChainDrafter(ABC):
                 self.forward(batch, self.dummy_state(batch.num_tokens, catching_up))
         torch.cuda.synchronize(runner.device)
         if not runner.config.enforce_eager:
-            k = runner.config.speculative_config.num_speculative_tokens
-            self.catch_up_graphs = self._capture(self.forward, k + 1, catching_up=True)
-            self.draft_graphs = self._capture(self._draft_step, 1, catching_up=False)
-            self.greedy_graphs = {n: self._capture(functools.partial(self._greedy_steps, n=n), 1, catching_up=False)
-                                  for n in range(1, k)}
+            self.catch_up_graphs = self._capture(runner.config.speculative_config.num_speculative_tokens + 1, True)
+            self.draft_graphs = self._capture(1, False)
 
-    def _capture(self, forward, width: int, catching_up: bool) -> CudaGraphs:
-        """Graphs of `forward` for catch-ups of up to K + 1 tokens per request (what follows
-        a verify step; longer ones run eagerly) or for the steps after it."""
+    def _capture(self, width: int, catching_up: bool) -> CudaGraphs:
+        """Graphs for catch-ups of up to K + 1 tokens per request (what follows a verify
+        step; longer ones run eagerly) or for the one-token draft steps."""
         runner = self.runner
-        graphs = CudaGraphs(forward, runner.page_size, runner.max_model_len, runner.config.max_num_seqs, width,
-                            runner.device, self.state_width(catching_up), runner.dtype, per_row=True)
+        graphs = CudaGraphs(self.forward if catching_up else self._draft_step, runner.page_size,
+                            runner.max_model_len, runner.config.max_num_seqs, width, runner.device,
+                            self.state_width(catching_up), runner.dtype, per_row=True)
         graphs.capture()
         return graphs
 
@@ -119,19 +116,17 @@ class ChainDrafter(ABC):
         ks = [plan.draft_lens[i] for i in rows]
         device = self.runner.device
         st = self.runner.sampling_tensors(reqs)
-        counters, rows_t = to_device([r.num_output_tokens for r in reqs] + rows, torch.int64, device).split(
-            [len(reqs), len(rows)])
+        counters = to_device([r.num_output_tokens for r in reqs], torch.int64, device)
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
+        rows_t = to_device(rows, torch.int64, device)
         tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
         pages = [r.pages for r in reqs]
 
         feeds, starts, state = self.catch_up(reqs)
         logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state)
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
-        if max(ks) > 1 and st.all_greedy:
-            tokens[:, 1:] = self._draft_steps(reqs, ks, pages, state, greedy=True)(tokens[:, 0])
-        elif max(ks) > 1:
-            draft = self._draft_steps(reqs, ks, pages, state, greedy=False)
+        if max(ks) > 1:
+            draft = self._draft_steps(reqs, ks, pages, state)
             for j in range(1, max(ks)):
                 tokens[:, j] = self._sample(draft(tokens[:, j - 1]), st, counters + j, probs, rows_t, j)
         for r, k in zip(reqs, ks):
@@ -152,18 +147,17 @@ class ChainDrafter(ABC):
         return self.forward(ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device),
                             state)
 
-    def _draft_steps(self, reqs, ks, pages, state, greedy: bool):
-        """The draft steps after the catch-up, as a function of the tokens fed: one step to
-        its logits, or, for a greedy batch, all of them to their drafts [rows, max K - 1].
-        Their inputs are set once, at each row's last catch-up position; each step moves
-        every row on by one position on the device (`ForwardBatch.advance`), inside a graph
-        when one fits, so the host only feeds tokens and replays. A row past its own K
-        stays put and stores nothing (its drafts there are not used)."""
+    def _draft_steps(self, reqs, ks, pages, state):
+        """The one-token steps after the catch-up, as a function from the tokens to feed to
+        the logits. Their inputs are set once, at each row's last catch-up position; each
+        step then moves every row on by one position (`ForwardBatch.advance`) on the device,
+        inside the graph when one fits: the host only feeds the tokens and replays. A row
+        past its own K stays put and stores nothing (its drafts there are not used)."""
         runner, n = self.runner, len(reqs)
         limits = [self.next_position(r, k) for r, k in zip(reqs, ks)]
         self.limits.copy_(to_device(limits + [0] * (len(self.limits) - n), torch.int64, runner.device))
         feeds, starts = [[0]] * n, [self.next_position(r, 0) for r in reqs]
-        graphs = self.greedy_graphs.get(max(ks) - 1) if greedy else self.draft_graphs
+        graphs = self.draft_graphs
         if graphs is not None and graphs.fits(n, 1):
             key = graphs.load(feeds, starts, pages, 1, state)
             batch = graphs.inputs(key)
@@ -177,7 +171,7 @@ class ChainDrafter(ABC):
 
         def step(tokens):
             batch.input_ids.copy_(tokens)
-            return self._greedy_steps(batch, state, max(ks) - 1) if greedy else self._draft_step(batch, state)
+            return self._draft_step(batch, state)
         return step
 
     def _draft_step(self, batch: ForwardBatch, state: torch.Tensor | None) -> torch.Tensor:
@@ -188,15 +182,6 @@ class ChainDrafter(ABC):
         if state is not None:
             state.copy_(out)
         return logits
-
-    def _greedy_steps(self, batch: ForwardBatch, state: torch.Tensor | None, n: int) -> torch.Tensor:
-        """n draft steps, each fed the last one's argmax: with no sampling between them, the
-        chain needs no host and runs as one graph."""
-        drafts = []
-        for _ in range(n):
-            drafts.append(self.to_target(self._draft_step(batch, state).argmax(-1)))
-            batch.input_ids.copy_(drafts[-1])
-        return torch.stack(drafts, 1)
 
     def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
         if st.all_greedy:
