@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from checkpoints import ARCHS, make_checkpoint, make_eagle3_checkpoint
 from tidal.attention.torch_ref import TorchAttention
 from tidal.batch import ForwardBatch
+from tidal.graphs import CudaGraphs
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
 from tidal.models.eagle3 import Eagle3Config, load_eagle3
@@ -325,3 +326,21 @@ def test_advance_moves_each_row_to_its_next_position_until_its_limit():
         assert batch.seq_lens.tolist() == built.seq_lens.tolist()
         assert batch.slot_mapping.tolist() == [s if ok else -1 for s, ok in zip(built.slot_mapping.tolist(), live)]
     assert batch.positions.tolist() == [5, 4, 7]
+
+
+def test_graph_inputs_equal_the_built_batch():
+    """A graph's inputs are filled from the host in three copies into a layout that depends
+    on the graph's shape; what the graph reads must be the batch `ForwardBatch.build` makes,
+    padded with requests and tokens that attend to nothing and store nowhere."""
+    graphs = CudaGraphs(None, PAGE_SIZE, max_model_len=64, max_batch=8, max_width=3, device=torch.device("cpu"))
+    graphs.load([[1, 2, 3]] * 7, [5] * 7, [[9, 9]] * 7, 3)  # another shape's layout first
+    feeds, contexts, pages = [[5, 6], [7, 8], [9, 10]], [3, 9, 0], [[3, 1, 4], [5, 2, 6], [7]]
+    key = graphs.load(feeds, contexts, pages, 2, input_ids=torch.tensor([11, 12, 13, 14, 15, 16]))
+    assert key == (4, 2)
+    view, built = graphs.view(*key), ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu")
+    assert view.input_ids.tolist() == [11, 12, 13, 14, 15, 16, 0, 0]
+    assert view.positions[:6].tolist() == built.positions.tolist()
+    assert view.slot_mapping.tolist() == built.slot_mapping.tolist() + [-1, -1]
+    assert view.query_start_loc.tolist() == built.query_start_loc.tolist() + [6]
+    assert view.seq_lens.tolist() == built.seq_lens.tolist() + [0]
+    assert view.page_table[:3, :3].tolist() == built.page_table.tolist()

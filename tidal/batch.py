@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -17,15 +18,10 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
     """Host data as a device tensor, copied without waiting for the device. A plain
     `torch.tensor(data, device=...)` synchronises the stream, so the host stops queueing
     work until the GPU has drained; a copy from pinned memory does not."""
+    t = torch.tensor(data, dtype=dtype)
     if torch.device(device).type == "cuda":
-        return to_host_pinned(data, dtype).to(device, non_blocking=True)
-    return torch.tensor(data, dtype=dtype)
-
-
-def to_host_pinned(data, dtype: torch.dtype) -> torch.Tensor:
-    """Host data in pinned memory, the source of a copy to the device that does not wait.
-    PyTorch's pinned allocator keeps the block until that copy has run."""
-    return torch.tensor(data, dtype=dtype).pin_memory()
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
 
 
 @dataclass
@@ -56,22 +52,14 @@ class ForwardBatch:
         device: torch.device | str,
     ) -> "ForwardBatch":
         """Build from per-request query tokens, the number of tokens already in the KV cache
-        before them, and each request's page table."""
-        tokens, rows, table = host_parts(token_ids, context_lens, page_tables, page_size)
-        # Two host-to-device copies for all of it (each copy costs the host more than a kernel).
-        ids, pos, slot_mapping = to_device(tokens, torch.int64, device).view(3, -1)
-        n = len(token_ids)
-        rows = to_device(rows, torch.int32, device)
-        return ForwardBatch(
-            input_ids=ids,
-            positions=pos,
-            query_start_loc=rows[:n + 1],
-            seq_lens=rows[n + 1:],
-            page_table=to_device(table, torch.int32, device),
-            slot_mapping=slot_mapping,
-            max_query_len=max(len(t) for t in token_ids),
-            max_seq_len=max(c + len(t) for c, t in zip(context_lens, token_ids)),
-        )
+        before them, and each request's page table: one host-to-device copy for all of it
+        (each copy costs the host more than a kernel)."""
+        host = HostBatch(token_ids, context_lens, page_tables, page_size, pin=torch.device(device).type == "cuda")
+        buffer = host.buffer.to(device, non_blocking=True)
+        ids, positions, slots = token_fields(host.tokens(buffer), host.num_tokens)
+        query_start_loc, seq_lens = row_fields(host.rows(buffer), host.num_seqs)
+        return ForwardBatch(ids, positions, query_start_loc, seq_lens, host.page_table(buffer), slots,
+                            max_query_len=host.max_query_len, max_seq_len=host.max_seq_len)
 
     def advance(self, limits: torch.Tensor, page_size: int) -> None:
         """For a batch of one query token per request: move each request's token to the next
@@ -85,27 +73,90 @@ class ForwardBatch:
         self.slot_mapping.copy_(torch.where(step, pages * page_size + self.positions % page_size, -1))
 
 
-def host_parts(token_ids: list[list[int]], context_lens: list[int], page_tables: list[list[int]], page_size: int,
-               pad_seqs: int = 0, pad_tokens: int = 0) -> tuple[list[int], list[int], list[list[int]]]:
-    """A batch's fields as host lists: input ids, positions and slot mapping one after the
-    other (each `max(T, pad_tokens)` long); query_start_loc then seq_lens (for
-    `max(B, pad_seqs)` requests); page tables padded to a common width. Padding (for a
-    captured graph) adds requests with no tokens, and tokens that belong to no request and
-    store nowhere."""
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    seq_lens = []
-    for tokens, ctx, pages in zip(token_ids, context_lens, page_tables):
-        for pos in range(ctx, ctx + len(tokens)):
-            positions.append(pos)
-            slots.append(pages[pos // page_size] * page_size + pos % page_size)
-        starts.append(starts[-1] + len(tokens))
-        seq_lens.append(ctx + len(tokens))
-    extra_tokens = max(pad_tokens - len(positions), 0)
-    extra_seqs = max(pad_seqs - len(seq_lens), 0)
-    width = max(len(p) for p in page_tables)
-    table = [p + [0] * (width - len(p)) for p in page_tables]
-    tokens = ([t for ids in token_ids for t in ids] + [0] * extra_tokens + positions + [0] * extra_tokens
-              + slots + [-1] * extra_tokens)
-    return tokens, starts + [starts[-1]] * extra_seqs + seq_lens + [0] * extra_seqs, table
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class HostBatch:
+    """A batch's index data packed in one host buffer (pinned when it goes to a CUDA device):
+    input ids, positions and slots (int64), then query_start_loc and seq_lens (int32), then
+    the page tables (int32). Every field starts 16-byte aligned, so kernels see one pointer
+    alignment whatever the batch. The same views read the buffer or its copy on the device.
+
+    Padding (for a captured graph) adds requests with no tokens, and tokens that belong to
+    no request and store nowhere."""
+
+    def __init__(self, token_ids: list[list[int]], context_lens: list[int], page_tables: list[list[int]],
+                 page_size: int, pin: bool, pad_seqs: int = 0, pad_tokens: int = 0):
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens = []
+        for tokens, ctx, pages in zip(token_ids, context_lens, page_tables):
+            for pos in range(ctx, ctx + len(tokens)):
+                positions.append(pos)
+                slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            starts.append(starts[-1] + len(tokens))
+            seq_lens.append(ctx + len(tokens))
+        self.num_tokens = max(len(positions), pad_tokens)
+        self.num_seqs = max(len(seq_lens), pad_seqs)
+        self.table_shape = (len(page_tables), max(len(p) for p in page_tables))
+        self.max_query_len = max(len(t) for t in token_ids)
+        self.max_seq_len = max(seq_lens)
+        t, b = self.num_tokens, self.num_seqs
+        tokens_len, rows_len = self.tokens_len_for(t), self.rows_len_for(b)
+        self.buffer = torch.empty(8 * tokens_len + 4 * (rows_len + self.table_shape[0] * self.table_shape[1]),
+                                  dtype=torch.uint8, pin_memory=pin)
+        array = self.buffer.numpy()
+        ids64, pos64, slots64 = array[:8 * tokens_len].view(np.int64).reshape(3, -1)
+        extra = t - len(positions)
+        ids64[:t] = [x for ids in token_ids for x in ids] + [0] * extra
+        pos64[:t] = positions + [0] * extra
+        slots64[:t] = slots + [-1] * extra
+        rows32 = array[8 * tokens_len:].view(np.int32)
+        extra = b - len(seq_lens)
+        rows32[:b + 1] = starts + [starts[-1]] * extra
+        rows32[self.row_stride(b):self.row_stride(b) + b] = seq_lens + [0] * extra
+        width = self.table_shape[1]
+        rows32[rows_len:] = [page for p in page_tables for page in p + [0] * (width - len(p))]
+        self.tokens_len, self.rows_len = tokens_len, rows_len
+
+    @staticmethod
+    def token_stride(num_tokens: int) -> int:
+        return _round_up(num_tokens, 2)
+
+    @staticmethod
+    def tokens_len_for(num_tokens: int) -> int:
+        return 3 * HostBatch.token_stride(num_tokens)
+
+    @staticmethod
+    def row_stride(num_seqs: int) -> int:
+        return _round_up(num_seqs + 1, 4)
+
+    @staticmethod
+    def rows_len_for(num_seqs: int) -> int:
+        return HostBatch.row_stride(num_seqs) + _round_up(num_seqs, 4)
+
+    def tokens(self, buffer: torch.Tensor) -> torch.Tensor:
+        """Input ids, positions and slots, back to back (int64)."""
+        return buffer[:8 * self.tokens_len].view(torch.int64)
+
+    def rows(self, buffer: torch.Tensor) -> torch.Tensor:
+        """query_start_loc, then seq_lens (int32)."""
+        start = 8 * self.tokens_len
+        return buffer[start:start + 4 * self.rows_len].view(torch.int32)
+
+    def page_table(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer[8 * self.tokens_len + 4 * self.rows_len:].view(torch.int32).view(self.table_shape)
+
+
+def token_fields(tokens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids, positions and slot mapping: views of int64 data laid out as `HostBatch.tokens`."""
+    stride = HostBatch.token_stride(num_tokens)
+    return tokens[:num_tokens], tokens[stride:stride + num_tokens], tokens[2 * stride:2 * stride + num_tokens]
+
+
+def row_fields(rows: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """query_start_loc and seq_lens: views of int32 data laid out as `HostBatch.rows`."""
+    stride = HostBatch.row_stride(num_seqs)
+    return rows[:num_seqs + 1], rows[stride:stride + num_seqs]

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from tidal.batch import ForwardBatch, host_parts, to_host_pinned
+from tidal.batch import ForwardBatch, HostBatch, row_fields, token_fields
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -34,21 +34,20 @@ class CudaGraphs:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.widths = list(range(1, max_width + 1))
         max_tokens = max_batch * max_width
-        # The inputs, laid out so that a step fills them in three host-to-device copies: a
-        # graph of T tokens reads its ids, positions and slots from tokens[:3T] and
-        # query_start_loc and seq_lens of its B requests from rows[:2B + 1].
-        self.tokens = torch.zeros(3 * max_tokens, dtype=torch.int64, device=device)
-        self.rows = torch.zeros(2 * max_batch + 1, dtype=torch.int32, device=device)
+        # The inputs, laid out as `HostBatch` lays them out for each graph's shape, so that a
+        # step fills them in three host-to-device copies.
+        self.tokens = torch.zeros(HostBatch.tokens_len_for(max_tokens), dtype=torch.int64, device=device)
+        self.rows = torch.zeros(HostBatch.rows_len_for(max_batch), dtype=torch.int32, device=device)
         self.page_table = torch.zeros(max_batch, -(-max_model_len // page_size), dtype=torch.int32, device=device)
         self.state = (torch.zeros(max_tokens, state_width, dtype=state_dtype, device=device)
                       if state_width else None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, object]] = {}
 
     def view(self, b: int, w: int) -> ForwardBatch:
-        t = b * w
-        ids, positions, slots = self.tokens[:3 * t].view(3, t)
-        return ForwardBatch(ids, positions, self.rows[:b + 1], self.rows[b + 1:2 * b + 1], self.page_table[:b],
-                            slots, max_query_len=w, max_seq_len=self.max_model_len)
+        ids, positions, slots = token_fields(self.tokens, b * w)
+        query_start_loc, seq_lens = row_fields(self.rows, b)
+        return ForwardBatch(ids, positions, query_start_loc, seq_lens, self.page_table[:b], slots,
+                            max_query_len=w, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -82,15 +81,15 @@ class CudaGraphs:
         """Fill the inputs of the graph for these rows (`input_ids` on the device, if given,
         replace the fed tokens). Returns that graph's key."""
         b = next(size for size in self.buckets if size >= len(feeds))
-        tokens, rows, table = host_parts(feeds, context_lens, page_tables, self.page_size, pad_seqs=b,
-                                         pad_tokens=b * width)
-        self.tokens[:len(tokens)].copy_(to_host_pinned(tokens, torch.int64), non_blocking=True)
-        self.rows[:len(rows)].copy_(to_host_pinned(rows, torch.int32), non_blocking=True)
-        self.page_table[:len(table), :len(table[0])].copy_(to_host_pinned(table, torch.int32), non_blocking=True)
+        host = HostBatch(feeds, context_lens, page_tables, self.page_size, pin=self.device.type == "cuda",
+                         pad_seqs=b, pad_tokens=b * width)
+        self.tokens[:host.tokens_len].copy_(host.tokens(host.buffer), non_blocking=True)
+        self.rows[:host.rows_len].copy_(host.rows(host.buffer), non_blocking=True)
+        rows, cols = host.table_shape
+        self.page_table[:rows, :cols].copy_(host.page_table(host.buffer), non_blocking=True)
         num_tokens = sum(len(f) for f in feeds)
-        batch = self.inputs((b, width))
         if input_ids is not None:
-            batch.input_ids[:num_tokens].copy_(input_ids)
+            self.tokens[:num_tokens].copy_(input_ids)  # input ids come first in every layout
         if state is not None:
             self.state[:num_tokens].copy_(state)
         return b, width
