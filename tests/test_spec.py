@@ -17,6 +17,7 @@ from stats import homogeneity_pvalue
 from tidal import LLM, SamplingParams
 from tidal.spec.policy import Choice, NoFeedback
 from tidal.spec.verify import verify as real_verify
+from tidal.step import Drafts
 
 NEW_TOKENS = 28
 
@@ -210,10 +211,11 @@ def test_simulated_acceptance(models):
     assert all(abs(r - a) < 0.1 for r in spec["acceptance_per_position"][:1])
 
 
-def continuation_counts(llm, n=800):
-    """Distribution of 3-token continuations of one prompt over n seeds (top_k=3: <= 27
-    outcomes; the 2nd and 3rd tokens come from verified drafts)."""
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
+def continuation_counts(llm, n=800, top_k=3, max_tokens=3):
+    """Distribution of the continuations of one prompt over n seeds (at most top_k **
+    max_tokens outcomes; every token after the first can come from a verified draft)."""
+    params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=max_tokens, ignore_eos=True, seed=s)
+              for s in range(n)]
     outs = llm.generate([[5, 6, 7, 8]] * n, params, use_tqdm=False)
     counts = {}
     for o in outs:
@@ -241,6 +243,27 @@ def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monk
     monkeypatch.setattr(tidal.runner, "verify", accept_all)
     wrong = continuation_counts(spec)
     assert homogeneity_pvalue(target, wrong) < ALPHA
+
+
+def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_misplaced_draft_probs(models):
+    """Rows drafting different K (0 included) in one step, sampled: outputs are distributed
+    as the target's. Controls: verifying the same drafts against another row's, or another
+    position's, draft distribution must be caught."""
+    shape = dict(n=3000, top_k=2, max_tokens=5)
+    target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256), **shape)
+    spec = LLM(model=models["target"], page_size=4, max_num_seqs=256,
+               speculative_config=spec_config(models, "draft_model", 3))
+    spec.engine.scheduler.policy = RandomPolicy(seed=3)
+    assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) > ALPHA
+    assert spec.engine.stats()["spec"]["acceptance_per_position"][1] > 0, "want rows verifying 2+ drafts"
+    propose = spec.engine.proposer.propose
+    for misplace in (lambda probs: probs.roll(1, 0), lambda probs: probs.roll(1, 1)):
+        def misplaced(plan, rows, misplace=misplace):
+            drafts = propose(plan, rows)
+            return Drafts(drafts.tokens, drafts.lens, misplace(drafts.probs))
+
+        spec.engine.proposer.propose = misplaced
+        assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) < ALPHA
 
 
 def test_bad_speculative_configs(models, tmp_path):
