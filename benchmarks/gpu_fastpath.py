@@ -6,12 +6,13 @@
 Correctness: greedy tokens of a tiny float32 Llama on the GPU (Triton kernels, CUDA graphs)
 equal transformers' and the torch reference backend's. Speed: a Llama-3.1-8B-shaped model
 with random weights (bf16): batch-1 decode, offline 256 x (128 in, 128 out) against
-transformers' static-cache generate in the same run, both with async scheduling on and off, a proposer configured at K = 0 vs
-none, an EAGLE-3-shaped head with SIMULATED acceptance (0.8, K = 4) vs plain, and the
-scheduler's Python time per step at 256 requests, and where a decode step's time goes
-at batch 1 and 256, and with a proposer at K = 0 and K = 4 at batch 1 (torch profiler:
-GPU busy vs idle, top kernels and host ops). Prints a table last; writes JSON to
-$OUT/gpu_fastpath.json.
+transformers' static-cache generate in the same run, both with async scheduling on and
+off; a proposer configured at K = 0 vs none; an EAGLE-3-shaped head with SIMULATED
+acceptance (0.8, K = 4) vs plain; the scheduler's Python time per step at 256 requests;
+where a decode step's time goes at batch 1 and 256, and with a proposer at K = 0 and K = 4
+at batch 1 (torch profiler: GPU busy vs idle, top kernels and host ops); and the host time
+per step in the engine's phases at batch 1, measured without the profiler. Prints a table
+last; writes JSON to $OUT/gpu_fastpath.json.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tidal import LLM, SamplingParams  # noqa: E402
 from tidal.demo import DEMO_DIR  # noqa: E402
+from tidal.runner import PendingStep  # noqa: E402
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -140,34 +144,59 @@ def check_correctness(device, results):
             free_memory()
 
 
+@contextmanager
+def timing(*targets):
+    """Time every call of obj.name for each (label, obj, name), an instance's method or a
+    class's function; yields {label: [seconds per call]} and restores the originals."""
+    calls, saved = defaultdict(list), []
+    for label, obj, name in targets:
+        def timed(*args, _fn=getattr(obj, name), _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                calls[_label].append(time.perf_counter() - start)
+        saved.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, timed)
+    try:
+        yield calls
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
 def scheduler_overhead(llm, prompts, new_tokens):
     """Python time in schedule + commit (host bookkeeping) vs whole step, at full batch."""
-    engine = llm.engine
-    timings = {"schedule": [], "commit": [], "step": []}
-    schedule, commit, step = engine.scheduler.schedule, engine.scheduler.commit, engine.step
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            timings[name].append(time.perf_counter() - t)
-            return out
-        return wrapper
-
-    ahead = engine.scheduler.schedule_ahead
-    engine.scheduler.schedule, engine.scheduler.commit = timed("schedule", schedule), timed("commit", commit)
-    engine.scheduler.schedule_ahead, engine.step = timed("schedule", ahead), timed("step", step)
-    try:
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    # With async scheduling a step plans the next one (schedule_ahead) and commits itself.
+    with timing(("schedule", scheduler, "schedule"), ("schedule", scheduler, "schedule_ahead"),
+                ("commit", scheduler, "commit"), ("step", engine, "step")) as calls:
         llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
-    finally:
-        engine.scheduler.schedule, engine.scheduler.commit, engine.step = schedule, commit, step
-        engine.scheduler.schedule_ahead = ahead
-    # Decode steps only: skip the first steps (prefill) and the tail. With async scheduling
-    # a step plans the next one (schedule_ahead) and commits itself.
-    steps = list(zip(timings["schedule"], timings["commit"], timings["step"]))[4:-4]
+    # Decode steps only: skip the first steps (prefill) and the tail.
+    steps = list(zip(calls["schedule"], calls["commit"], calls["step"]))[4:-4]
     host = sum(s + c for s, c, _ in steps) / len(steps)
     total = sum(t for _, _, t in steps) / len(steps)
     return {"host_ms": host * 1e3, "step_ms": total * 1e3, "fraction": host / total}
+
+
+def host_phases(llm, prompts, new_tokens):
+    """Host time per step (us, inclusive) in the engine's phases, without the profiler (which
+    inflates host costs, CUDA graph launches most): where a host-bound step goes."""
+    engine = llm.engine
+    targets = [("step", engine, "step"), ("waiting for tokens", PendingStep, "result"),
+               ("commit", engine.scheduler, "commit"), ("launch", engine.runner, "launch")]
+    graph_sets = [engine.runner.graphs]
+    if engine.proposer is not None:
+        targets.append(("propose", engine.proposer, "propose"))
+        graph_sets += [getattr(engine.proposer, name, None) for name in ("catch_up_graphs", "draft_graphs")]
+    targets += [("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None]
+    with timing(*targets) as calls:
+        llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    steps = len(calls["step"])
+    return {label: 1e6 * sum(times) / steps for label, times in calls.items()}
 
 
 def where_time_goes(llm, prompts, steps=24):
@@ -270,6 +299,7 @@ def main():
             speed["plain_offline"] = decode_rate(llm, many, new_tokens)
             speed["scheduler_overhead"] = scheduler_overhead(llm, many, new_tokens)
             speed["profile_b1"] = where_time_goes(llm, one)
+            speed["host_phases_b1"] = host_phases(llm, one, b1_tokens)
             speed["profile_full_batch"] = where_time_goes(llm, many)
             del llm
             free_memory()
@@ -291,6 +321,7 @@ def main():
                 speed[f"{name}_b64"] = decode_rate(llm, mid, new_tokens)
             speed[f"{name}_b1"]["spec"] = llm.engine.stats()["spec"]
             speed[f"profile_{name}_b1"] = where_time_goes(llm, one)
+            speed[f"host_phases_{name}_b1"] = host_phases(llm, one, b1_tokens)
             del llm
             free_memory()
 
@@ -333,6 +364,9 @@ def main():
             o = s[key]
             rows.append((f"{key}: step / GPU busy / GPU idle (ms)",
                          f"{o['step_ms']:.2f} / {o['gpu_busy_ms']:.2f} / {o['gpu_idle_ms']:.2f}"))
+    for key in ("host_phases_b1", "host_phases_eagle3_sim08_k4_b1"):
+        if key in s:
+            rows.append((f"{key}: us per step", ", ".join(f"{k} {v:.0f}" for k, v in s[key].items())))
     results["table"] = rows
     (out_dir / "gpu_fastpath.json").write_text(json.dumps(results, indent=1, default=str))
     print("\n" + "\n".join(f"{k:<55} {v}" for k, v in rows))
