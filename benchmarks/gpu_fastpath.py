@@ -11,7 +11,8 @@ off; a proposer configured at K = 0 vs none; an EAGLE-3-shaped head with SIMULAT
 acceptance (0.8, K = 4) vs plain; the scheduler's Python time per step at 256 requests;
 where a decode step's time goes at batch 1 and 256, and with a proposer at K = 0 and K = 4
 at batch 1 (torch profiler: GPU busy vs idle, top kernels and host ops); and the host time
-per step in the engine's phases at batch 1, measured without the profiler. Prints a table
+per step in the engine's phases at batch 1, measured without the profiler; and the
+one-pass sampling kernel against the eager sampling race it replaces. Prints a table
 last; writes JSON to $OUT/gpu_fastpath.json.
 """
 
@@ -168,6 +169,40 @@ def timing(*targets):
                 setattr(obj, name, old)
 
 
+def sampling_race(device, results):
+    """`fused.race_sample` against the eager race it replaces, on a Llama-3 vocabulary at 1
+    and 256 rows: how often they pick the same token (the GPU's fast log may break a
+    near-tie differently; the uniforms are the same) and the time of each."""
+    from tidal.layers import fused, sampler
+
+    def ms(fn, reps=20):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / reps
+
+    out = {}
+    for n in (1, 256):
+        weights = torch.rand(n, LLAMA_8B["vocab_size"], device=device) ** 4
+        keys = sampler._row_keys(torch.arange(n, device=device), torch.full((n,), 7, device=device),
+                                 sampler.STREAM_SAMPLE)
+
+        def eager():
+            return (weights / -torch.log(sampler._vocab_uniform(keys, weights.shape[1]))).argmax(-1)
+
+        def kernel():
+            return fused.race_sample(weights, keys)
+
+        out[n] = {"agreement": (eager() == kernel()).float().mean().item(), "eager_ms": ms(eager),
+                  "kernel_ms": ms(kernel)}
+    results["correctness"]["sampling race kernel == eager (256 rows)"] = out[256]["agreement"]
+    results["speed"]["sampling_race"] = out
+
+
 def scheduler_overhead(llm, prompts, new_tokens):
     """Python time in schedule + commit (host bookkeeping) vs whole step, at full batch."""
     engine, scheduler = llm.engine, llm.engine.scheduler
@@ -282,6 +317,7 @@ def main():
 
     if not args.smoke:
         section("correctness", lambda: check_correctness(device, results))
+        section("sampling_race", lambda: sampling_race(device, results))
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), shape)
@@ -364,6 +400,8 @@ def main():
             o = s[key]
             rows.append((f"{key}: step / GPU busy / GPU idle (ms)",
                          f"{o['step_ms']:.2f} / {o['gpu_busy_ms']:.2f} / {o['gpu_idle_ms']:.2f}"))
+    for n, o in s.get("sampling_race", {}).items():
+        rows.append((f"sampling race at {n} rows: eager / kernel (ms)", f"{o['eager_ms']:.3f} / {o['kernel_ms']:.3f}"))
     for key in ("host_phases_b1", "host_phases_eagle3_sim08_k4_b1"):
         if key in s:
             rows.append((f"{key}: us per step", ", ".join(f"{k} {v:.0f}" for k, v in s[key].items())))

@@ -131,3 +131,20 @@ def test_empty_batches():
     q, k = fused.rotary(torch.empty(0, dtype=torch.long), torch.empty(0, 2, 8), torch.empty(0, 1, 8),
                         torch.randn(4, 8))
     assert q.shape == (0, 2, 8) and k.shape == (0, 1, 8)
+
+
+@pytest.mark.parametrize("n, vocab", [(9, 5), (9, 3000), (9, 70_000), (130, 9000)])
+def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
+    """The one-pass sampling kernel computes the same uniforms and the same race as
+    `sampler.sample_from_probs` (row-strided weights, zero weights, one block, several, and
+    a vocabulary split over programs, with several blocks each and one split empty)."""
+    from tidal.layers import sampler
+
+    torch.manual_seed(0)
+    weights = (torch.rand(n, vocab + 7) ** 4)[:, :vocab]
+    weights[:, ::3] = 0.0
+    seeds, counters = torch.arange(n) * 7919 + 2**40, torch.arange(n) + 3
+    expected = sampler.sample_from_probs(weights, seeds, counters, sampler.STREAM_DRAFT)
+    keys = sampler._row_keys(seeds, counters, sampler.STREAM_DRAFT)
+    assert fused.race_sample(weights, keys).tolist() == expected.tolist()
+    assert all(weights[i, t] > 0 for i, t in enumerate(expected.tolist()))

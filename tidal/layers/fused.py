@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the small per-layer ops (used on CUDA only).
+"""Fused Triton kernels for the small per-layer ops and for sampling (used on CUDA only).
 
 At batch 1 a decode step is dominated by launch count, so RMSNorm (+ residual add),
 the rotary embedding and SiluAndMul each run as one kernel here instead of several
@@ -6,6 +6,9 @@ eager torch kernels. Each matches the torch code of its module: same dtype promo
 same roundings (e.g. the residual sum is rounded to the input dtype before the norm).
 Grids and outputs depend on shapes only, so all three are CUDA-graph capturable.
 Outputs are fresh contiguous tensors; inputs are never modified.
+
+Sampling's exponential race hashes its uniforms inside the kernel that reads the weights,
+instead of a dozen eager passes over an [N, V] int64 tensor of hashes.
 """
 
 from __future__ import annotations
@@ -173,3 +176,64 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         BLOCK=block, num_warps=_num_warps(block),
     )
     return out
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@triton.jit
+def _mix32(x):
+    """`sampler._mix32` on uint32, where multiplication wraps mod 2^32 by itself."""
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+
+@triton.jit
+def _race_kernel(probs_ptr, keys_ptr, best_ptr, index_ptr, stride, V, BLOCKS_PER_SPLIT, BLOCK: tl.constexpr):
+    """Program (row, split): the first v in the split's blocks maximising
+    probs[v] / -log(u(key, v)), where u is `sampler`'s uniform of the row's key and
+    vocabulary index v; one pass over the weights."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    key = tl.load(keys_ptr + row).to(tl.uint32)
+    best = tl.full((), -1.0, tl.float32)
+    best_index = tl.full((), 0, tl.int32)
+    first_block = split * BLOCKS_PER_SPLIT
+    for block in range(first_block, first_block + BLOCKS_PER_SPLIT):
+        v = block * BLOCK + tl.arange(0, BLOCK)
+        mask = v < V
+        p = tl.load(probs_ptr + row * stride + v, mask=mask, other=0.0).to(tl.float32)
+        h = _mix32(key ^ _mix32(v.to(tl.uint32)))
+        u = ((h >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
+        score = tl.where(mask, p / -tl.log(u), -1.0)
+        top = tl.max(score, axis=0)
+        first = tl.min(tl.where(score == top, v, V), axis=0)
+        best_index = tl.where(top > best, first, best_index)
+        best = tl.maximum(top, best)
+    out = row * tl.num_programs(1) + split
+    tl.store(best_ptr + out, best)
+    tl.store(index_ptr + out, best_index.to(tl.int64))
+
+
+_RACE_BLOCK = 2048
+_RACE_PROGRAMS = 512  # enough to fill the GPU when few rows are sampled
+
+
+def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """`sampler.sample_from_probs` given each row's 32-bit key [N]: one pass over the
+    weights [N, V] instead of a dozen over an int64 [N, V] of hashes. A row's vocabulary
+    is split over several programs when there are few rows; the first split holding the
+    row's maximum has its first index."""
+    probs = probs if probs.stride(-1) == 1 else probs.contiguous()
+    n, v = probs.shape
+    blocks = triton.cdiv(v, _RACE_BLOCK)
+    splits = min(blocks, triton.cdiv(_RACE_PROGRAMS, n))
+    per_split = triton.cdiv(blocks, splits)
+    best = torch.empty(n, splits, dtype=torch.float32, device=probs.device)
+    index = torch.empty(n, splits, dtype=torch.int64, device=probs.device)
+    _race_kernel[(n, splits)](probs, keys.expand(n).contiguous(), best, index, probs.stride(0), v, per_split,
+                              BLOCK=_RACE_BLOCK, num_warps=8)
+    return index.gather(1, best.argmax(1, keepdim=True)).squeeze(1)

@@ -1,8 +1,10 @@
 """Batched token sampling without host syncs.
 
 Every random number is a pure function of (seed, counter, index, stream), computed by a
-counter-based hash in vectorised int64 ops. A seeded request therefore draws the same
-numbers whatever batch it lands in, and no generator state has to be carried between steps.
+counter-based hash in vectorised int64 ops (on CUDA, the per-vocabulary-entry numbers of a
+draw are hashed inside one Triton kernel, `fused.race_sample`, that also runs the race). A
+seeded request therefore draws the same numbers whatever batch it lands in, and no
+generator state has to be carried between steps.
 `counter` is the index of the output token being produced; `stream` separates independent
 uses at the same counter (sampling vs. acceptance tests; proposers pick their own streams).
 """
@@ -55,7 +57,10 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> to
 
 def hash_uniform_vocab(seeds: torch.Tensor, counters: torch.Tensor, stream: int, vocab_size: int) -> torch.Tensor:
     """Uniforms [..., vocab_size] in (0, 1): one per (row, vocabulary index)."""
-    keys = _row_keys(seeds, counters, stream)
+    return _vocab_uniform(_row_keys(seeds, counters, stream), vocab_size)
+
+
+def _vocab_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     cols = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))
     return _to_unit(_mix32(keys.unsqueeze(-1) ^ cols))
 
@@ -160,8 +165,12 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.
     """Exact sample [N] int64 from unnormalised non-negative weights [N, V] by the
     exponential race argmax(p / E), E = -log(u): the same as Gumbel-max argmax(log p + g)
     with g = -log(E), but zero-weight tokens can never win and no log of p is needed."""
-    u = hash_uniform_vocab(seeds, counters, stream, probs.shape[-1])
-    return (probs / -torch.log(u)).argmax(-1)
+    keys = _row_keys(seeds, counters, stream)
+    if probs.is_cuda:
+        from tidal.layers import fused
+
+        return fused.race_sample(probs, keys)
+    return (probs / -torch.log(_vocab_uniform(keys, probs.shape[-1]))).argmax(-1)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
