@@ -224,11 +224,13 @@ _RACE_PROGRAMS = 512  # enough to fill the GPU when few rows are sampled
 
 def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """`sampler.sample_from_probs` given each row's 32-bit key [N]: one pass over the
-    weights [N, V] instead of a dozen over an int64 [N, V] of hashes. A row's vocabulary
-    is split over several programs when there are few rows; the first split holding the
-    row's maximum has its first index."""
+    weights [N, V] instead of a dozen over an int64 [N, V] of hashes. With few rows a row's
+    vocabulary is split over several programs; the first split with the largest score wins,
+    so ties go to the first index, as with torch's argmax."""
     probs = probs if probs.stride(-1) == 1 else probs.contiguous()
     n, v = probs.shape
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
     blocks = triton.cdiv(v, _RACE_BLOCK)
     splits = min(blocks, triton.cdiv(_RACE_PROGRAMS, n))
     per_split = triton.cdiv(blocks, splits)
