@@ -344,3 +344,19 @@ def test_graph_inputs_equal_the_built_batch():
     assert view.query_start_loc.tolist() == built.query_start_loc.tolist() + [6]
     assert view.seq_lens.tolist() == built.seq_lens.tolist() + [0]
     assert view.page_table[:3, :3].tolist() == built.page_table.tolist()
+
+
+def test_advance_on_graph_inputs_leaves_padding_rows_alone():
+    """The draft graph advances its own inputs: padding rows (limit 0) keep an empty context
+    and store nowhere while the real rows move on, each until its own limit."""
+    graphs = CudaGraphs(None, PAGE_SIZE, max_model_len=64, max_batch=8, max_width=1, device=torch.device("cpu"))
+    pages = [[3, 1, 4], [5, 2], [7, 6]]
+    assert graphs.load([[0]] * 3, [2, 3, 5], pages, 1) == (4, 1)  # one padding row
+    view = graphs.view(4, 1)
+    for _ in range(2):
+        view.advance(torch.tensor([6, 6, 7, 0]), PAGE_SIZE)
+    built = ForwardBatch.build([[0]] * 3, [4, 5, 6], pages, PAGE_SIZE, "cpu")
+    assert view.positions.tolist() == built.positions.tolist() + [0]
+    assert view.seq_lens.tolist() == built.seq_lens.tolist() + [0]
+    # Rows 0 and 1 moved twice; row 2 reached its limit after one move and stores nowhere.
+    assert view.slot_mapping.tolist() == built.slot_mapping.tolist()[:2] + [-1, -1]
