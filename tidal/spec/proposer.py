@@ -116,9 +116,9 @@ class ChainDrafter(ABC):
         ks = [plan.draft_lens[i] for i in rows]
         device = self.runner.device
         st = self.runner.sampling_tensors(reqs)
-        counters = to_device([r.num_output_tokens for r in reqs], torch.int64, device)
+        counters, rows_t = to_device([r.num_output_tokens for r in reqs] + rows, torch.int64, device).split(
+            [len(reqs), len(rows)])
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
-        rows_t = to_device(rows, torch.int64, device)
         tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
         pages = [r.pages for r in reqs]
 
@@ -155,6 +155,8 @@ class ChainDrafter(ABC):
         past its own K stays put and stores nothing (its drafts there are not used)."""
         runner, n = self.runner, len(reqs)
         limits = [self.next_position(r, k) for r, k in zip(reqs, ks)]
+        # Every entry is written: a graph's padding rows must find limit 0, or they would move
+        # and store through page-table rows left from other steps.
         self.limits.copy_(to_device(limits + [0] * (len(self.limits) - n), torch.int64, runner.device))
         feeds, starts = [[0]] * n, [self.next_position(r, 0) for r in reqs]
         graphs = self.draft_graphs
