@@ -25,7 +25,9 @@ draws others). The table gives each cell's mean with its spread (half the distan
 between the two runs, in % of the mean) and goodput / best fixed policy from the means;
 the JSON keeps both runs. Writes $OUT/policy_sweep.json and goodput's decision log per
 acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; written
-on local disk during the run, then copied); prints the table last.
+on local disk during the run, then copied), and the same lines for the other policies
+($OUT/steps_a*.jsonl, with the policy and load named), so that a cell's time can be taken
+apart step by step for every policy alike; prints the table last.
 """
 
 from __future__ import annotations
@@ -82,6 +84,30 @@ def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
             "drafted": engine.stats()["spec"]["num_drafted"] - drafted}
 
 
+class StepLog:
+    """Wraps a policy without a decision log: each step it observes is written as goodput
+    writes its own (batch, K per row, prefill tokens, accepted drafts, seconds)."""
+
+    def __init__(self, policy, file, label: str):
+        self.policy, self.file, self.label = policy, file, label
+        self.name = policy.name
+        self.load = ""  # the load running now, set by the sweep
+
+    def choose(self, requests, limits, num_waiting):
+        return self.policy.choose(requests, limits, num_waiting)
+
+    def observe(self, plan, result, step_time):
+        self.policy.observe(plan, result, step_time)
+        decoding = [i for i, n in enumerate(plan.num_new_tokens) if plan.samples(i)]
+        self.file.write(json.dumps({
+            "policy": self.label, "load": self.load, "batch": len(plan.requests), "k": list(plan.draft_lens),
+            "prefill": sum(plan.num_new_tokens) - len(decoding), "observed_s": step_time,
+            "accepted": [n - 1 for n in result.accept_lens.tolist()]}) + "\n")
+
+    def stats(self):
+        return self.policy.stats()
+
+
 def requests_for(clients: int) -> int:
     """Requests a closed loop of `clients` sends. Its window (first end to last start) then
     spans 3c + 1 of them ending, c + 1 at c > 70: a window of few requests is decided by
@@ -102,6 +128,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.8],
                     help="simulated acceptance levels (one device call each fits its time limit)")
+    ap.add_argument("--loads", nargs="+", help="only these loads (e.g. c=70 bursty)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     shape = SMOKE if args.smoke else LLAMA_8B
@@ -109,6 +136,10 @@ def main():
     bursty = [(c, 2 * c) for c in ((1, 8, 1, 8) if args.smoke else (1, 128, 1, 128))]
     prompt_len, new_tokens = (16, 16) if args.smoke else (128, 128)
     loads = {**{f"c={c}": [(c, requests_for(c))] for c in levels}, "bursty": bursty}
+    if args.loads:
+        if set(args.loads) - set(loads):
+            ap.error(f"--loads: choose from {list(loads)}")
+        loads = {name: loads[name] for name in args.loads}
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"note": "random weights, EAGLE-3-shaped head, SIMULATED acceptance; closed-loop clients; "
@@ -125,7 +156,10 @@ def main():
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=1024,
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
             goodput = llm.engine.scheduler.policy
-            policies = dict(zip(NAMES, (Off(), Fixed(1), Fixed(2), Fixed(4), goodput)))
+            steps = open(Path(tmp) / f"steps_a{acc}.jsonl", "w")
+            logged = {name: StepLog(policy, steps, name) for name, policy in
+                      zip(NAMES, (Off(), Fixed(1), Fixed(2), Fixed(4)))}
+            policies = {**logged, "goodput": goodput}
             for warm in (Fixed(4), Off()):  # compile every kernel shape before timing
                 llm.engine.scheduler.policy = warm
                 throughput(llm, bursty, prompt_len, 16, shape["vocab_size"])
@@ -133,13 +167,17 @@ def main():
                 for name in order:
                     llm.engine.scheduler.policy = policies[name]
                     for load, phases in loads.items():
+                        if name in logged:
+                            logged[name].load = load
                         r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
                         results["runs"].setdefault(f"a={acc} {name} {load}", []).append(r)
                         print(f"a={acc} {name:8} {load:6} {rate(r):9.0f} tok/s", flush=True)
-            results[f"policy_stats a={acc}"] = llm.engine.stats().get("policy")
-            del llm, goodput, policies
+            results[f"goodput_stats a={acc}"] = goodput.stats()
+            steps.close()
+            del llm, goodput, policies, logged
             free_memory()
-            shutil.copy(Path(tmp) / f"decisions_a{acc}.jsonl", out_dir)
+            for log in ("decisions", "steps"):
+                shutil.copy(Path(tmp) / f"{log}_a{acc}.jsonl", out_dir)
     results["seconds"] = time.perf_counter() - start
 
     table = []

@@ -35,3 +35,9 @@ def test_policy_sweep_smoke(tmp_path):
     for acc in ("0.6", "0.8"):
         lines = (tmp_path / f"decisions_a{acc}.jsonl").read_text().splitlines()
         assert lines and {"k", "predicted_s", "observed_s"} <= set(json.loads(lines[-1]))
+        steps = [json.loads(line) for line in (tmp_path / f"steps_a{acc}.jsonl").read_text().splitlines()]
+        assert {s["policy"] for s in steps} == {"off", "fixed:1", "fixed:2", "fixed:4"}
+        assert {s["load"] for s in steps} == {"c=1", "c=4", "bursty"}
+        assert all(max(s["k"]) <= 4 and s["observed_s"] > 0 for s in steps)
+        assert any(max(s["k"]) == 4 for s in steps if s["policy"] == "fixed:4")
+        assert not any(any(s["k"]) for s in steps if s["policy"] == "off")
