@@ -81,6 +81,11 @@ def greedy(n):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
+def top_p(n):
+    """What chat clients commonly send."""
+    return SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True)
+
+
 def free_memory():
     """Give freed engines' GPU memory back (callers drop their references first)."""
     gc.collect()
@@ -88,12 +93,14 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
-def decode_rate(llm, prompts, new_tokens):
-    """Output tokens per second over the decode phase (first token to last), and overall.
-    The workload runs once untimed first, so Triton compilation stays out of the numbers."""
-    llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+def decode_rate(llm, prompts, new_tokens, params=None):
+    """Output tokens per second over the decode phase (first token to last), and overall,
+    decoding greedily unless `params` say otherwise. The workload runs once untimed first,
+    so Triton compilation stays out of the numbers."""
+    params = params or greedy(new_tokens)
+    llm.generate(prompts, params, use_tqdm=False)
     start = time.perf_counter()
-    outs = llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     total = time.perf_counter() - start
     first = min(o.metrics["first_token_time"] for o in outs)
     last = max(o.metrics["finish_time"] for o in outs)
@@ -169,21 +176,23 @@ def timing(*targets):
                 setattr(obj, name, old)
 
 
+def gpu_ms(fn, reps=20):
+    """Milliseconds of device time per call of fn, after a warm-up call."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def sampling_race(device, results):
     """`fused.race_sample` against the eager race it replaces, on a Llama-3 vocabulary at 1
     and 256 rows: how often they pick the same token (the GPU's fast log may break a
     near-tie differently; the uniforms are the same) and the time of each."""
     from tidal.layers import fused, sampler
-
-    def ms(fn, reps=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / reps
 
     out = {}
     for n in (1, 256):
@@ -197,10 +206,41 @@ def sampling_race(device, results):
         def kernel():
             return fused.race_sample(weights, keys)
 
-        out[n] = {"agreement": (eager() == kernel()).float().mean().item(), "eager_ms": ms(eager),
-                  "kernel_ms": ms(kernel)}
+        out[n] = {"agreement": (eager() == kernel()).float().mean().item(), "eager_ms": gpu_ms(eager),
+                  "kernel_ms": gpu_ms(kernel)}
     results["correctness"]["sampling race kernel == eager (256 rows)"] = out[256]["agreement"]
     results["speed"]["sampling_race"] = out
+
+
+def sampling_filters(device, results):
+    """Sampling's filters on a Llama-3 vocabulary at 1 and 256 rows: the top-k / top-p
+    threshold found by sorting (`sampler.sorted_threshold`, what CUDA ran before) and by
+    `fused.filter_threshold` (what it runs now), how often the two agree (they sum the
+    kept mass in different orders) and the time of each; and all of sampling per filter
+    (processed_probs and the race), next to a step of about 10 ms at 256 rows."""
+    from tidal.config import SamplingParams
+    from tidal.layers import fused, sampler
+
+    filters = {"temperature": {}, "top_k=50": {"top_k": 50}, "top_p=0.9": {"top_p": 0.9},
+               "top_k=50 top_p=0.9": {"top_k": 50, "top_p": 0.9}, "min_p=0.1": {"min_p": 0.1}}
+    out = {}
+    for n in (1, 256):
+        torch.manual_seed(n)
+        scaled = torch.randn(n, LLAMA_8B["vocab_size"], device=device) * 3
+        counters = torch.zeros(n, dtype=torch.int64, device=device)
+        for name, kw in filters.items():
+            st = sampler.SamplingTensors.build([SamplingParams(temperature=1.0, **kw)] * n, list(range(n)), device)
+            o = out.setdefault(f"{name}, {n} rows", {})
+            if st.need_top_k or st.need_top_p:
+                sorted_, searched = sampler.sorted_threshold(scaled, st), fused.filter_threshold(scaled, st.top_k,
+                                                                                                  st.top_p)
+                o["agreement"] = (sorted_ == searched).float().mean().item()
+                o["sort_ms"] = gpu_ms(lambda: sampler.sorted_threshold(scaled, st))
+                o["search_ms"] = gpu_ms(lambda: fused.filter_threshold(scaled, st.top_k, st.top_p))
+            o["sample_ms"] = gpu_ms(lambda: sampler.sample(scaled, st, counters))
+    results["correctness"]["top-k / top-p search == sort (rows, worst filter)"] = min(
+        o["agreement"] for o in out.values() if "agreement" in o)
+    results["speed"]["sampling_filters"] = out
 
 
 def scheduler_overhead(llm, prompts, new_tokens):
@@ -318,6 +358,7 @@ def main():
     if not args.smoke:
         section("correctness", lambda: check_correctness(device, results))
         section("sampling_race", lambda: sampling_race(device, results))
+        section("sampling_filters", lambda: sampling_filters(device, results))
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), shape)
@@ -333,6 +374,7 @@ def main():
             speed["plain_b1"] = decode_rate(llm, one, b1_tokens)
             speed["plain_b64"] = decode_rate(llm, mid, new_tokens)
             speed["plain_offline"] = decode_rate(llm, many, new_tokens)
+            speed["plain_offline_top_p"] = decode_rate(llm, many, new_tokens, top_p(new_tokens))
             speed["scheduler_overhead"] = scheduler_overhead(llm, many, new_tokens)
             speed["profile_b1"] = where_time_goes(llm, one)
             speed["host_phases_b1"] = host_phases(llm, one, b1_tokens)
@@ -380,12 +422,14 @@ def main():
 
     for name, value in results["correctness"].items():
         rows.append((f"greedy == transformers, {name}", str(value)))
-    for key in ("plain_b1", "plain_sync_b1", "plain_b64", "plain_offline", "plain_sync_offline", "eagle3_off_b1", "eagle3_off_b64", "eagle3_sim08_k4_b1",
-                "hf_static_offline"):
+    for key in ("plain_b1", "plain_sync_b1", "plain_b64", "plain_offline", "plain_offline_top_p", "plain_sync_offline",
+                "eagle3_off_b1", "eagle3_off_b64", "eagle3_sim08_k4_b1", "hf_static_offline"):
         if key in s:
             rows.append((f"{key} tok/s (decode / overall)",
                          f"{s[key].get('decode_tok_s', float('nan')):.0f} / {s[key]['tok_s']:.0f}"))
     rows.append(("offline: tidal / transformers (overall tok/s)", f"{ratio('plain_offline', 'hf_static_offline', 'tok_s'):.2f}x"))
+    rows.append(("offline: top-p 0.95 sampling / greedy (overall tok/s)",
+                 f"{ratio('plain_offline_top_p', 'plain_offline', 'tok_s'):.3f}"))
     rows.append(("async / sync scheduling, batch 1 (decode tok/s)", f"{ratio('plain_b1', 'plain_sync_b1'):.3f}"))
     rows.append(("async / sync scheduling, offline (overall tok/s)",
                  f"{ratio('plain_offline', 'plain_sync_offline', 'tok_s'):.3f}"))
@@ -402,6 +446,9 @@ def main():
                          f"{o['step_ms']:.2f} / {o['gpu_busy_ms']:.2f} / {o['gpu_idle_ms']:.2f}"))
     for n, o in s.get("sampling_race", {}).items():
         rows.append((f"sampling race at {n} rows: eager / kernel (ms)", f"{o['eager_ms']:.3f} / {o['kernel_ms']:.3f}"))
+    for name, o in s.get("sampling_filters", {}).items():
+        sort = f"threshold by sort / by search {o['sort_ms']:.3f} / {o['search_ms']:.3f}, " if "sort_ms" in o else ""
+        rows.append((f"sampling {name} (ms)", f"{sort}sample {o['sample_ms']:.3f}"))
     for key in ("host_phases_b1", "host_phases_eagle3_sim08_k4_b1"):
         if key in s:
             rows.append((f"{key}: us per step", ", ".join(f"{k} {v:.0f}" for k, v in s[key].items())))

@@ -148,3 +148,26 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
     keys = sampler._row_keys(seeds, counters, sampler.STREAM_DRAFT)
     assert fused.race_sample(weights, keys).tolist() == expected.tolist()
     assert all(weights[i, t] > 0 for i, t in enumerate(expected.tolist()))
+
+
+@pytest.mark.parametrize("vocab", [7, 3000])
+def test_filter_threshold_keeps_what_sorting_keeps(vocab):
+    """The sort-free top-k / top-p search finds the threshold the sorted cumulative mass
+    gives, per row: top-k alone, top-p alone, both, neither, k beyond the vocabulary, a
+    tiny top-p, tied values (integer logits), negative and zero values, row-strided input
+    and one block or several."""
+    from tidal.config import SamplingParams
+    from tidal.layers import sampler
+
+    torch.manual_seed(0)
+    rows = [dict(top_k=5), dict(top_p=0.9), dict(top_k=50, top_p=0.5), dict(), dict(top_k=vocab + 3),
+            dict(top_p=1e-6), dict(top_p=0.999), dict(top_k=1, top_p=0.3), dict(top_k=3, top_p=0.8),
+            dict(top_k=20, top_p=0.9)]
+    params = [SamplingParams(temperature=0.7, **kw) for kw in rows] * 2
+    st = sampler.SamplingTensors.build(params, list(range(len(params))), "cpu")
+    n = len(params)
+    scaled = torch.randn(n, vocab + 5)[:, :vocab] * 4
+    scaled[n // 2:] = scaled[n // 2:].round().clamp(-3, 3)  # many ties, zeros and negative values
+    expected = sampler.sorted_threshold(scaled, st)
+    assert fused.filter_threshold(scaled, st.top_k, st.top_p).tolist() == expected.tolist()
+    assert expected[3] == float("-inf") and expected[4] == scaled[4].min()

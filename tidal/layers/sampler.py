@@ -92,7 +92,7 @@ class SamplingTensors:
         return SamplingTensors(
             temperature=to_device([p.temperature for p in params], torch.float32, device),
             top_k=to_device(top_ks, torch.int64, device),
-            top_p=to_device([p.top_p for p in params], torch.float32, device),
+            top_p=to_device([p.top_p if p.temperature > 0 else 1.0 for p in params], torch.float32, device),
             min_p=to_device([p.min_p for p in params], torch.float32, device),
             seeds=to_device([s & (2**63 - 1) for s in seeds], torch.int64, device),
             all_greedy=not sampling,
@@ -137,13 +137,28 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             return greedy_onehot
     greedy = st.temperature == 0
     scaled = logits / torch.where(greedy, 1.0, st.temperature).unsqueeze(1)
+    if not (st.need_top_k or st.need_top_p):
+        thresh = torch.full_like(scaled[:, 0], float("-inf"))
+    elif scaled.is_cuda:
+        from tidal.layers import fused
+
+        thresh = fused.filter_threshold(scaled, st.top_k, st.top_p)
+    else:
+        thresh = sorted_threshold(scaled, st)
+    if st.need_min_p:
+        thresh = torch.maximum(thresh, scaled.max(-1).values + torch.log(st.min_p))
+    probs = torch.softmax(scaled.masked_fill(scaled < thresh.unsqueeze(1), float("-inf")), dim=-1)
+    return torch.where(greedy.unsqueeze(1), greedy_onehot, probs) if st.any_greedy else probs
+
+
+def sorted_threshold(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The smallest value top-k and top-p keep per row (-inf where both are off), from the
+    sorted values (on CUDA `fused.filter_threshold` finds the same without sorting)."""
     thresh = torch.full_like(scaled[:, 0], float("-inf"))
     if st.need_top_p:
         ordered = scaled.sort(dim=-1, descending=True).values
-    elif st.need_top_k:
-        ordered = scaled.topk(min(st.max_top_k, scaled.shape[1]), dim=-1).values
     else:
-        ordered = None
+        ordered = scaled.topk(min(st.max_top_k, scaled.shape[1]), dim=-1).values
     if st.need_top_k:
         kth = ordered.gather(1, (st.top_k.clamp(1, ordered.shape[1]) - 1).unsqueeze(1)).squeeze(1)
         thresh = torch.where(st.top_k > 0, kth, thresh)
@@ -154,10 +169,7 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         num_kept = (mass_before < st.top_p.unsqueeze(1)).sum(-1, keepdim=True)
         last_kept = ordered.gather(1, num_kept - 1).squeeze(1)
         thresh = torch.where(st.top_p < 1, torch.maximum(thresh, last_kept), thresh)
-    if st.need_min_p:
-        thresh = torch.maximum(thresh, scaled.max(-1).values + torch.log(st.min_p))
-    probs = torch.softmax(scaled.masked_fill(scaled < thresh.unsqueeze(1), float("-inf")), dim=-1)
-    return torch.where(greedy.unsqueeze(1), greedy_onehot, probs) if st.any_greedy else probs
+    return thresh
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
