@@ -213,34 +213,42 @@ def sampling_race(device, results):
 
 
 def sampling_filters(device, results):
-    """Sampling's filters on a Llama-3 vocabulary at 1 and 256 rows: the top-k / top-p
-    threshold found by sorting (`sampler.sorted_threshold`, what CUDA ran before) and by
-    `fused.filter_threshold` (what it runs now), how often the two agree (they sum the
-    kept mass in different orders) and the time of each; and all of sampling per filter
-    (processed_probs and the race), next to a step of about 10 ms at 256 rows."""
+    """Sampling's filters on a Llama-3 vocabulary. The top-p threshold found by sorting
+    (`sampler.sorted_top_p`) and by `fused.top_p_threshold`'s search, with 4, 8 or 16 cuts
+    per pass, at 1 to 256 rows: how often they agree (they sum the kept mass in different
+    orders) and the time of each, which sets `sampler.SEARCH_TOP_P_ROWS`. Then all of
+    sampling per filter at 1 and 256 rows (a step takes about 5 and 10 ms there)."""
     from tidal.config import SamplingParams
     from tidal.layers import fused, sampler
+
+    vocab = LLAMA_8B["vocab_size"]
+    search, agreement = {}, []
+    for n in (1, 16, 64, 128, 256):
+        torch.manual_seed(n)
+        scaled = torch.randn(n, vocab, device=device) * 3
+        for top_k in (0, 50):
+            floor = (scaled.topk(top_k, dim=-1).values[:, -1] if top_k else
+                     torch.full((n,), float("-inf"), device=device))
+            top_p = torch.full((n,), 0.9, device=device)
+            sorted_ = sampler.sorted_top_p(scaled, floor, top_p)
+            o = search[f"{n} rows, top_k={top_k}"] = {"sort_ms": gpu_ms(lambda: sampler.sorted_top_p(scaled, floor,
+                                                                                                       top_p))}
+            for group in (4, 8, 16):
+                agreement.append((fused.top_p_threshold(scaled, floor, top_p, group) == sorted_).float().mean().item())
+                o[f"search_{group}_ms"] = gpu_ms(lambda: fused.top_p_threshold(scaled, floor, top_p, group))
+    results["correctness"]["top-p search == sort (rows, worst case)"] = min(agreement)
+    results["speed"]["top_p_threshold"] = search
 
     filters = {"temperature": {}, "top_k=50": {"top_k": 50}, "top_p=0.9": {"top_p": 0.9},
                "top_k=50 top_p=0.9": {"top_k": 50, "top_p": 0.9}, "min_p=0.1": {"min_p": 0.1}}
     out = {}
     for n in (1, 256):
-        torch.manual_seed(n)
-        scaled = torch.randn(n, LLAMA_8B["vocab_size"], device=device) * 3
+        logits = torch.randn(n, vocab, device=device) * 3
         counters = torch.zeros(n, dtype=torch.int64, device=device)
         for name, kw in filters.items():
             st = sampler.SamplingTensors.build([SamplingParams(temperature=1.0, **kw)] * n, list(range(n)), device)
-            o = out.setdefault(f"{name}, {n} rows", {})
-            if st.need_top_k or st.need_top_p:
-                sorted_, searched = sampler.sorted_threshold(scaled, st), fused.filter_threshold(scaled, st.top_k,
-                                                                                                  st.top_p)
-                o["agreement"] = (sorted_ == searched).float().mean().item()
-                o["sort_ms"] = gpu_ms(lambda: sampler.sorted_threshold(scaled, st))
-                o["search_ms"] = gpu_ms(lambda: fused.filter_threshold(scaled, st.top_k, st.top_p))
-            o["sample_ms"] = gpu_ms(lambda: sampler.sample(scaled, st, counters))
-    results["correctness"]["top-k / top-p search == sort (rows, worst filter)"] = min(
-        o["agreement"] for o in out.values() if "agreement" in o)
-    results["speed"]["sampling_filters"] = out
+            out[f"{name}, {n} rows"] = gpu_ms(lambda: sampler.sample(logits, st, counters))
+    results["speed"]["sample_ms"] = out
 
 
 def scheduler_overhead(llm, prompts, new_tokens):
@@ -446,9 +454,11 @@ def main():
                          f"{o['step_ms']:.2f} / {o['gpu_busy_ms']:.2f} / {o['gpu_idle_ms']:.2f}"))
     for n, o in s.get("sampling_race", {}).items():
         rows.append((f"sampling race at {n} rows: eager / kernel (ms)", f"{o['eager_ms']:.3f} / {o['kernel_ms']:.3f}"))
-    for name, o in s.get("sampling_filters", {}).items():
-        sort = f"threshold by sort / by search {o['sort_ms']:.3f} / {o['search_ms']:.3f}, " if "sort_ms" in o else ""
-        rows.append((f"sampling {name} (ms)", f"{sort}sample {o['sample_ms']:.3f}"))
+    for name, o in s.get("top_p_threshold", {}).items():
+        rows.append((f"top-p threshold, {name}: sort / search 4, 8, 16 (ms)",
+                     f"{o['sort_ms']:.3f} / " + ", ".join(f"{o[f'search_{g}_ms']:.3f}" for g in (4, 8, 16))))
+    for name, ms in s.get("sample_ms", {}).items():
+        rows.append((f"sampling, {name} (ms)", f"{ms:.3f}"))
     for key in ("host_phases_b1", "host_phases_eagle3_sim08_k4_b1"):
         if key in s:
             rows.append((f"{key}: us per step", ", ".join(f"{k} {v:.0f}" for k, v in s[key].items())))

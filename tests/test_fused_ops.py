@@ -151,23 +151,22 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
 
 
 @pytest.mark.parametrize("vocab", [7, 3000])
-def test_filter_threshold_keeps_what_sorting_keeps(vocab):
-    """The sort-free top-k / top-p search finds the threshold the sorted cumulative mass
-    gives, per row: top-k alone, top-p alone, both, neither, k beyond the vocabulary, a
-    tiny top-p, tied values (integer logits), negative and zero values, row-strided input
-    and one block or several."""
-    from tidal.config import SamplingParams
+def test_top_p_search_keeps_what_sorting_keeps(vocab):
+    """The sort-free top-p search finds the threshold the sorted cumulative mass gives, per
+    row: with and without a top-k floor below, a floor that keeps one value, a tiny and a
+    near-1 top-p, a search of 4 cuts per pass, tied values (integer logits), negative and zero values, row-strided input,
+    one block or several."""
     from tidal.layers import sampler
 
     torch.manual_seed(0)
-    rows = [dict(top_k=5), dict(top_p=0.9), dict(top_k=50, top_p=0.5), dict(), dict(top_k=vocab + 3),
-            dict(top_p=1e-6), dict(top_p=0.999), dict(top_k=1, top_p=0.3), dict(top_k=3, top_p=0.8),
-            dict(top_k=20, top_p=0.9)]
-    params = [SamplingParams(temperature=0.7, **kw) for kw in rows] * 2
-    st = sampler.SamplingTensors.build(params, list(range(len(params))), "cpu")
-    n = len(params)
+    n = 16
     scaled = torch.randn(n, vocab + 5)[:, :vocab] * 4
     scaled[n // 2:] = scaled[n // 2:].round().clamp(-3, 3)  # many ties, zeros and negative values
-    expected = sampler.sorted_threshold(scaled, st)
-    assert fused.filter_threshold(scaled, st.top_k, st.top_p).tolist() == expected.tolist()
-    assert expected[3] == float("-inf") and expected[4] == scaled[4].min()
+    ordered = scaled.sort(dim=-1, descending=True).values
+    k = torch.tensor([0, 3, 20, 1, 0, vocab, 2, 0] * 2).clamp(max=vocab)
+    floor = torch.where(k > 0, ordered.gather(1, (k.clamp(min=1) - 1).unsqueeze(1)).squeeze(1), float("-inf"))
+    top_p = torch.tensor([0.9, 0.8, 0.5, 0.3, 1e-6, 0.999, 0.6, 0.95] * 2)
+    expected = sampler.sorted_top_p(scaled, floor, top_p)
+    assert fused.top_p_threshold(scaled, floor, top_p).tolist() == expected.tolist()
+    assert fused.top_p_threshold(scaled, floor, top_p, group=4).tolist() == expected.tolist()
+    assert expected[4] == scaled[4].max() and expected[3] == scaled[3].max()  # one value kept

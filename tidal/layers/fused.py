@@ -259,78 +259,57 @@ def _key_value(key):
 
 
 @triton.jit
-def _smallest_below(row_ptr, V, lo, hi, target, top, BY_MASS: tl.constexpr, BLOCK: tl.constexpr,
-                    G: tl.constexpr):
-    """The smallest key t of a row value with W(t) < target, where W(t) is the weight of the
-    values above t (their count, or their mass exp(x - top)), given keys lo and hi with
-    W(lo) >= target > W(hi). Each pass over the row narrows (lo, hi] to one of G + 1 parts,
-    until it holds one key: the answer, since W only changes at the row's values."""
-    part = (tl.arange(0, G) + 1).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    while hi - lo > 1:
-        cuts = lo + (hi - lo) * part // (G + 1)  # int64 to compute; each fits int32, as keys do
-        cuts32 = cuts.to(tl.int32)
-        above = tl.zeros((G,), tl.float32)
-        for start in range(0, V, BLOCK):
-            mask = start + offs < V
-            x = tl.load(row_ptr + start + offs, mask=mask, other=float("-inf"))
-            if BY_MASS:
-                w = tl.where(mask, tl.exp(x - top), 0.0)
-            else:
-                w = mask.to(tl.float32)
-            above += tl.sum(tl.where(_order_key(x)[:, None] > cuts32[None, :], w[:, None], 0.0), axis=0)
-        heavy = tl.sum((above >= target).to(tl.int32), axis=0)  # cuts with W >= target come first
-        new_lo = tl.sum(tl.where(part == heavy, cuts, 0), axis=0)
-        new_hi = tl.sum(tl.where(part == heavy + 1, cuts, 0), axis=0)
-        lo = tl.where(heavy > 0, new_lo, lo)
-        hi = tl.where(heavy < G, new_hi, hi)
-    return hi
-
-
-@triton.jit
-def _threshold_kernel(x_ptr, top_k_ptr, top_p_ptr, out_ptr, stride, V, BLOCK: tl.constexpr, G: tl.constexpr):
-    """Per row: the smallest value kept by top-k (the k-th largest) and by top-p over the
-    top-k tokens (the last one the sorted cumulative mass keeps), -inf where a filter is off."""
+def _top_p_kernel(x_ptr, floor_ptr, top_p_ptr, out_ptr, stride, V, BLOCK: tl.constexpr, G: tl.constexpr):
+    """Row r: the smallest value x among those >= floor[r] whose mass above it, W(x) (the
+    sum of exp(v - max) over values v > x), is below top_p[r] times the mass of all of
+    them: the last value the sorted cumulative mass keeps. A search over the values'
+    order keys: each pass over the row narrows (lo, hi], with W(lo) >= target > W(hi), to
+    one of G + 1 parts, until it holds one key, which is then x (W changes only at values)."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * stride
     offs = tl.arange(0, BLOCK)
+    floor = tl.load(floor_ptr + row)
     top = tl.full((BLOCK,), float("-inf"), tl.float32)
     bottom = tl.full((BLOCK,), float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
         mask = start + offs < V
         x = tl.load(row_ptr + start + offs, mask=mask, other=float("-inf"))
         top = tl.maximum(top, x)
-        bottom = tl.minimum(bottom, tl.where(mask, x, float("inf")))
+        bottom = tl.minimum(bottom, tl.where(mask & (x >= floor), x, float("inf")))
     top_value = tl.max(top, axis=0)
+    total = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        mask = start + offs < V
+        x = tl.load(row_ptr + start + offs, mask=mask, other=float("-inf"))
+        total += tl.where(mask & (x >= floor), tl.exp(x - top_value), 0.0)
+    target = tl.load(top_p_ptr + row) * tl.sum(total, axis=0)
+    lo = _order_key(tl.min(bottom, axis=0)).to(tl.int64) - 1  # every kept value lies above
     hi = _order_key(top_value).to(tl.int64)
-    bottom_key = _order_key(tl.min(bottom, axis=0)).to(tl.int64)
-    floor = tl.full((), float("-inf"), tl.float32)
-    k = tl.load(top_k_ptr + row)
-    if k > 0:
-        floor = _key_value(_smallest_below(row_ptr, V, bottom_key - 1, hi, tl.minimum(k, V).to(tl.float32), top_value,
-                                           False, BLOCK, G))
-    p = tl.load(top_p_ptr + row)
-    kept = floor
-    if p < 1.0:
-        total = tl.zeros((BLOCK,), tl.float32)
+    part = (tl.arange(0, G) + 1).to(tl.int64)
+    while hi - lo > 1:
+        cuts = (lo + (hi - lo) * part // (G + 1)).to(tl.int32)  # keys fit int32; their differences do not
+        above = tl.zeros((G,), tl.float32)
         for start in range(0, V, BLOCK):
             mask = start + offs < V
             x = tl.load(row_ptr + start + offs, mask=mask, other=float("-inf"))
-            total += tl.where(mask & (x >= floor), tl.exp(x - top_value), 0.0)
-        # Searching above the top-k floor, only the tokens top-k keeps weigh; all lie above lo.
-        lo = tl.where(k > 0, _order_key(floor).to(tl.int64), bottom_key) - 1
-        kept = _key_value(_smallest_below(row_ptr, V, lo, hi, p * tl.sum(total, axis=0), top_value,
-                                          True, BLOCK, G))
-    tl.store(out_ptr + row, kept)
+            w = tl.where(mask, tl.exp(x - top_value), 0.0)  # values above lo are >= floor anyway
+            above += tl.sum(tl.where(_order_key(x)[:, None] > cuts[None, :], w[:, None], 0.0), axis=0)
+        heavy = tl.sum((above >= target).to(tl.int32), axis=0)  # cuts with W >= target come first
+        new_lo = tl.sum(tl.where(part == heavy, cuts, 0), axis=0).to(tl.int64)
+        new_hi = tl.sum(tl.where(part == heavy + 1, cuts, 0), axis=0).to(tl.int64)
+        lo = tl.where(heavy > 0, new_lo, lo)
+        hi = tl.where(heavy < G, new_hi, hi)
+    tl.store(out_ptr + row, _key_value(hi))
 
 
-def filter_threshold(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """`sampler.processed_probs`'s top-k and top-p threshold per row (-inf where both are
-    off) without sorting the vocabulary: a search over the values' bit patterns, a few
-    passes over each row. top_k [N] int64 (<= 0: off), top_p [N] float32 (1: off)."""
+def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """`sampler.processed_probs`'s top-p threshold per row over the values >= floor [N] (the
+    top-k threshold, or -inf), without sorting the vocabulary: a few passes over each row,
+    `group` (a power of 2) cuts tried per pass. top_p [N] float32 in (0, 1]."""
     scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
     n, v = scaled.shape
     out = torch.empty(n, dtype=torch.float32, device=scaled.device)
     if n:
-        _threshold_kernel[(n,)](scaled, top_k, top_p, out, scaled.stride(0), v, BLOCK=1024, G=16, num_warps=8)
+        _top_p_kernel[(n,)](scaled, floor.contiguous(), top_p, out, scaled.stride(0), v, BLOCK=1024, G=group,
+                            num_warps=8)
     return out

@@ -23,6 +23,10 @@ STREAM_SAMPLE = 0   # token sampling (plain decode, and the resample/bonus token
 STREAM_ACCEPT = 1   # accept/reject tests of speculative verification
 STREAM_DRAFT = 2    # free for a proposer that samples its drafts with this RNG
 
+# From this many rows on, CUDA finds the top-p threshold by `fused.top_p_threshold`'s search
+# rather than a sort of the vocabulary (the sort is the faster at few rows; gpu_fastpath).
+SEARCH_TOP_P_ROWS = 64
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -137,39 +141,33 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             return greedy_onehot
     greedy = st.temperature == 0
     scaled = logits / torch.where(greedy, 1.0, st.temperature).unsqueeze(1)
-    if not (st.need_top_k or st.need_top_p):
-        thresh = torch.full_like(scaled[:, 0], float("-inf"))
-    elif scaled.is_cuda:
-        from tidal.layers import fused
+    thresh = torch.full_like(scaled[:, 0], float("-inf"))
+    if st.need_top_k:
+        ordered = scaled.topk(min(st.max_top_k, scaled.shape[1]), dim=-1).values
+        kth = ordered.gather(1, (st.top_k.clamp(1, ordered.shape[1]) - 1).unsqueeze(1)).squeeze(1)
+        thresh = torch.where(st.top_k > 0, kth, thresh)
+    if st.need_top_p:
+        if scaled.is_cuda and scaled.shape[0] >= SEARCH_TOP_P_ROWS:
+            from tidal.layers import fused
 
-        thresh = fused.filter_threshold(scaled, st.top_k, st.top_p)
-    else:
-        thresh = sorted_threshold(scaled, st)
+            last_kept = fused.top_p_threshold(scaled, thresh, st.top_p)
+        else:
+            last_kept = sorted_top_p(scaled, thresh, st.top_p)
+        thresh = torch.where(st.top_p < 1, torch.maximum(thresh, last_kept), thresh)
     if st.need_min_p:
         thresh = torch.maximum(thresh, scaled.max(-1).values + torch.log(st.min_p))
     probs = torch.softmax(scaled.masked_fill(scaled < thresh.unsqueeze(1), float("-inf")), dim=-1)
     return torch.where(greedy.unsqueeze(1), greedy_onehot, probs) if st.any_greedy else probs
 
 
-def sorted_threshold(scaled: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """The smallest value top-k and top-p keep per row (-inf where both are off), from the
-    sorted values (on CUDA `fused.filter_threshold` finds the same without sorting)."""
-    thresh = torch.full_like(scaled[:, 0], float("-inf"))
-    if st.need_top_p:
-        ordered = scaled.sort(dim=-1, descending=True).values
-    else:
-        ordered = scaled.topk(min(st.max_top_k, scaled.shape[1]), dim=-1).values
-    if st.need_top_k:
-        kth = ordered.gather(1, (st.top_k.clamp(1, ordered.shape[1]) - 1).unsqueeze(1)).squeeze(1)
-        thresh = torch.where(st.top_k > 0, kth, thresh)
-    if st.need_top_p:
-        probs = torch.softmax(ordered.masked_fill(ordered < thresh.unsqueeze(1), float("-inf")), dim=-1)
-        mass = probs.cumsum(-1)
-        mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)  # monotone, unlike cumsum - p
-        num_kept = (mass_before < st.top_p.unsqueeze(1)).sum(-1, keepdim=True)
-        last_kept = ordered.gather(1, num_kept - 1).squeeze(1)
-        thresh = torch.where(st.top_p < 1, torch.maximum(thresh, last_kept), thresh)
-    return thresh
+def sorted_top_p(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The last value the sorted cumulative mass of the values >= floor keeps, per row."""
+    ordered = scaled.sort(dim=-1, descending=True).values
+    probs = torch.softmax(ordered.masked_fill(ordered < floor.unsqueeze(1), float("-inf")), dim=-1)
+    mass = probs.cumsum(-1)
+    mass_before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=1)  # monotone, unlike cumsum - p
+    num_kept = (mass_before < top_p.unsqueeze(1)).sum(-1, keepdim=True)
+    return ordered.gather(1, num_kept - 1).squeeze(1)
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
