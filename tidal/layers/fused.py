@@ -302,10 +302,13 @@ def _top_p_kernel(x_ptr, floor_ptr, top_p_ptr, out_ptr, stride, V, BLOCK: tl.con
     tl.store(out_ptr + row, _key_value(hi))
 
 
-def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, group: int = 16) -> torch.Tensor:
+def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, group: int = 8) -> torch.Tensor:
     """`sampler.processed_probs`'s top-p threshold per row over the values >= floor [N] (the
     top-k threshold, or -inf), without sorting the vocabulary: a few passes over each row,
-    `group` (a power of 2) cuts tried per pass. top_p [N] float32 in (0, 1]."""
+    `group` (a power of 2) cuts tried per pass (8 was the fastest on an H200, run31). It
+    sums the kept mass in another order than the sort, so where a value's mass sits within
+    rounding of the boundary the two may keep one value more or less (3% of rows of random
+    logits at 128k, run31). top_p [N] float32 in (0, 1]."""
     scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
     n, v = scaled.shape
     out = torch.empty(n, dtype=torch.float32, device=scaled.device)
