@@ -154,8 +154,8 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
 def test_top_p_search_keeps_what_sorting_keeps(vocab):
     """The sort-free top-p search finds the threshold the sorted cumulative mass gives, per
     row: with and without a top-k floor below, a floor that keeps one value, a tiny and a
-    near-1 top-p, a search of 4 cuts per pass, tied values (integer logits), negative and zero values, row-strided input,
-    one block or several."""
+    near-1 top-p, 4 or 8 cuts per pass, tied values (integer logits), negative and zero
+    values, row-strided input, one block or several; a row with top-p off gets -inf."""
     from tidal.layers import sampler
 
     torch.manual_seed(0)
@@ -170,3 +170,5 @@ def test_top_p_search_keeps_what_sorting_keeps(vocab):
     assert fused.top_p_threshold(scaled, floor, top_p).tolist() == expected.tolist()
     assert fused.top_p_threshold(scaled, floor, top_p, group=4).tolist() == expected.tolist()
     assert expected[4] == scaled[4].max() and expected[3] == scaled[3].max()  # one value kept
+    top_p[5] = 1.0
+    assert fused.top_p_threshold(scaled, floor, top_p)[5] == float("-inf")

@@ -241,7 +241,7 @@ def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return index.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
 
 
-# ---------------------------------------------------------------------------- top-k / top-p
+# ---------------------------------------------------------------------------- top-p
 
 
 @triton.jit
@@ -264,11 +264,19 @@ def _top_p_kernel(x_ptr, floor_ptr, top_p_ptr, out_ptr, stride, V, BLOCK: tl.con
     sum of exp(v - max) over values v > x), is below top_p[r] times the mass of all of
     them: the last value the sorted cumulative mass keeps. A search over the values'
     order keys: each pass over the row narrows (lo, hi], with W(lo) >= target > W(hi), to
-    one of G + 1 parts, until it holds one key, which is then x (W changes only at values)."""
+    one of G + 1 parts, until it holds one key, which is then x (W changes only at values).
+    A row with top_p = 1 (off) gets -inf without a pass."""
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = x_ptr + row * stride
+    p = tl.load(top_p_ptr + row)
+    if p < 1.0:
+        tl.store(out_ptr + row, _top_p_search(x_ptr + row * stride, tl.load(floor_ptr + row), p, V, BLOCK, G))
+    else:
+        tl.store(out_ptr + row, float("-inf"))
+
+
+@triton.jit
+def _top_p_search(row_ptr, floor, p, V, BLOCK: tl.constexpr, G: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    floor = tl.load(floor_ptr + row)
     top = tl.full((BLOCK,), float("-inf"), tl.float32)
     bottom = tl.full((BLOCK,), float("inf"), tl.float32)
     for start in range(0, V, BLOCK):
@@ -282,7 +290,7 @@ def _top_p_kernel(x_ptr, floor_ptr, top_p_ptr, out_ptr, stride, V, BLOCK: tl.con
         mask = start + offs < V
         x = tl.load(row_ptr + start + offs, mask=mask, other=float("-inf"))
         total += tl.where(mask & (x >= floor), tl.exp(x - top_value), 0.0)
-    target = tl.load(top_p_ptr + row) * tl.sum(total, axis=0)
+    target = p * tl.sum(total, axis=0)
     lo = _order_key(tl.min(bottom, axis=0)).to(tl.int64) - 1  # every kept value lies above
     hi = _order_key(top_value).to(tl.int64)
     part = (tl.arange(0, G) + 1).to(tl.int64)
@@ -299,7 +307,7 @@ def _top_p_kernel(x_ptr, floor_ptr, top_p_ptr, out_ptr, stride, V, BLOCK: tl.con
         new_hi = tl.sum(tl.where(part == heavy + 1, cuts, 0), axis=0).to(tl.int64)
         lo = tl.where(heavy > 0, new_lo, lo)
         hi = tl.where(heavy < G, new_hi, hi)
-    tl.store(out_ptr + row, _key_value(hi))
+    return _key_value(hi)
 
 
 def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, group: int = 8) -> torch.Tensor:
