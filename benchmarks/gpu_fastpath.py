@@ -217,7 +217,8 @@ def sampling_filters(device, results):
     (`sampler.sorted_top_p`) and by `fused.top_p_threshold`'s search, with 4, 8 or 16 cuts
     per pass, at 1 to 256 rows: how often they agree (they sum the kept mass in different
     orders) and the time of each, which sets `sampler.SEARCH_TOP_P_ROWS`. Then all of
-    sampling per filter at 1 and 256 rows (a step takes about 5 and 10 ms there)."""
+    sampling per filter at 1 and 256 rows (a step takes about 5 and 10 ms there). At one row
+    back-to-back calls of small ops time the host's launches more than the GPU."""
     from tidal.config import SamplingParams
     from tidal.layers import fused, sampler
 

@@ -110,10 +110,11 @@ class StepLog:
 
 def requests_for(clients: int) -> int:
     """Requests a closed loop of `clients` sends. Its window (first end to last start) then
-    spans 3c + 1 of them ending, c + 1 at c > 70: a window of few requests is decided by
-    their acceptance luck (run18's spanned c, and at c = 1 its cells' two runs differed by
-    up to 18%)."""
+    spans 3c + 1 of them ending, c at c > 70: a window of few requests is decided by their
+    acceptance luck (run18's spanned c, and at c = 1 its cells' two runs differed by up to
+    18%)."""
     return 4 * clients + 2 if clients <= 70 else 2 * clients + 1
+
 
 def rate(run):
     """A cell's figure: the steady state of a single phase, the whole of a bursty load."""
