@@ -161,28 +161,34 @@ class ModelRunner:
         # Rows that sample: logits for their last K_i + 1 query positions, padded to W.
         step = PendingStep(plan, rows, width)
         if rows:
-            if width == 1 and len(rows) == len(reqs) == hidden.shape[0]:
-                last = hidden  # a plain decode step: every token is a row's last
-            else:
-                ends = list(itertools.accumulate(len(f) for f in feeds))
-                index = [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i]) for i in rows for j in range(width)]
-                last = hidden[to_device(index, torch.int64, self.device)]
-            logits = self.model.compute_logits(last).view(len(rows), width, -1)
             sampled = [reqs[i] for i in rows]
+            # Every index the sampling rows need, in one host-to-device copy (a host list as
+            # an index would sync): where their logits are (no index in a plain decode step,
+            # where every token is a row's last), output counters, draft lengths and rows.
+            every_token = width == 1 and len(rows) == len(reqs) == hidden.shape[0]
+            logit_index = []
+            if not every_token:
+                ends = list(itertools.accumulate(len(f) for f in feeds))
+                logit_index = [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i])
+                             for i in rows for j in range(width)]
+            counters = [r.num_output_tokens + int(after is not None) for r in sampled]
+            ks = [plan.draft_lens[i] for i in rows] if width > 1 else []
+            subset = rows if width > 1 and len(rows) < len(reqs) else []
+            logit_index, counters, ks, subset = to_device(logit_index + counters + ks + subset, torch.int64,
+                                                          self.device).split([len(logit_index), len(counters),
+                                                                              len(ks), len(subset)])
+            last = hidden if every_token else hidden[logit_index]
+            logits = self.model.compute_logits(last).view(len(rows), width, -1)
             st = self.sampling_tensors(sampled)
-            counters = to_device([r.num_output_tokens + int(after is not None) for r in sampled], torch.int64,
-                                 self.device)
             if width == 1:
                 step.tokens = sample(logits[:, 0], st, counters)[:, None]
                 out = step.tokens
             else:
-                k = to_device([plan.draft_lens[i] for i in rows], torch.int64, self.device)
                 tokens = drafts.tokens[:, :width - 1]
                 probs = None if drafts.probs is None else drafts.probs[:, :width - 1]
-                if len(rows) < len(reqs):
-                    index = to_device(rows, torch.int64, self.device)  # a host list as an index would sync
-                    tokens, probs = tokens[index], None if probs is None else probs[index]
-                step.tokens, accepted = verify(logits, tokens, probs, k, st, counters,
+                if len(subset):
+                    tokens, probs = tokens[subset], None if probs is None else probs[subset]
+                step.tokens, accepted = verify(logits, tokens, probs, ks, st, counters,
                                                simulate_acceptance=simulate_acceptance)
                 out = torch.cat([step.tokens, accepted[:, None]], dim=1)
             wanted = [r.params.logprobs for r in sampled]

@@ -116,8 +116,13 @@ class ChainDrafter(ABC):
         ks = [plan.draft_lens[i] for i in rows]
         device = self.runner.device
         st = self.runner.sampling_tensors(reqs)
-        counters, rows_t = to_device([r.num_output_tokens for r in reqs] + rows, torch.int64, device).split(
-            [len(reqs), len(rows)])
+        # Per row, the position the draft steps stop before (for `_draft_steps`). Every entry
+        # of `self.limits` is written: a graph's padding rows must find limit 0, or they would
+        # move and store through page-table rows left from other steps.
+        limits = [self.next_position(r, k) for r, k in zip(reqs, ks)] if max(ks) > 1 else []
+        padded = limits + [0] * (len(self.limits) - len(limits)) if limits else []
+        counters, rows_t, limits_t = to_device([r.num_output_tokens for r in reqs] + rows + padded, torch.int64,
+                                               device).split([len(reqs), len(rows), len(padded)])
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
         tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
         pages = [r.pages for r in reqs]
@@ -125,8 +130,9 @@ class ChainDrafter(ABC):
         feeds, starts, state = self.catch_up(reqs)
         logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state)
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
-        if max(ks) > 1:
-            draft = self._draft_steps(reqs, ks, pages, state)
+        if limits:
+            self.limits.copy_(limits_t)
+            draft = self._draft_steps(reqs, max(limits), pages, state)
             for j in range(1, max(ks)):
                 tokens[:, j] = self._sample(draft(tokens[:, j - 1]), st, counters + j, probs, rows_t, j)
         for r, k in zip(reqs, ks):
@@ -147,17 +153,14 @@ class ChainDrafter(ABC):
         return self.forward(ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device),
                             state)
 
-    def _draft_steps(self, reqs, ks, pages, state):
+    def _draft_steps(self, reqs, max_limit, pages, state):
         """The one-token steps after the catch-up, as a function from the tokens to feed to
         the logits. Their inputs are set once, at each row's last catch-up position; each
-        step then moves every row on by one position (`ForwardBatch.advance`) on the device,
-        inside the graph when one fits: the host only feeds the tokens and replays. A row
-        past its own K stays put and stores nothing (its drafts there are not used)."""
+        step then moves every row on by one position (`ForwardBatch.advance`, up to its
+        entry of `self.limits`, the largest being `max_limit`) on the device, inside the
+        graph when one fits: the host only feeds the tokens and replays. A row past its own
+        K stays put and stores nothing (its drafts there are not used)."""
         runner, n = self.runner, len(reqs)
-        limits = [self.next_position(r, k) for r, k in zip(reqs, ks)]
-        # Every entry is written: a graph's padding rows must find limit 0, or they would move
-        # and store through page-table rows left from other steps.
-        self.limits.copy_(to_device(limits + [0] * (len(self.limits) - n), torch.int64, runner.device))
         feeds, starts = [[0]] * n, [self.next_position(r, 0) for r in reqs]
         graphs = self.draft_graphs
         if graphs is not None and graphs.fits(n, 1):
@@ -169,7 +172,7 @@ class ChainDrafter(ABC):
                 return graphs.replay(key, n, n)[0]
             return step
         batch = ForwardBatch.build(feeds, starts, pages, runner.page_size, runner.device)
-        batch.max_seq_len = max(limits)
+        batch.max_seq_len = max_limit
 
         def step(tokens):
             batch.input_ids.copy_(tokens)
