@@ -4,7 +4,7 @@
 
 For each case (decode, verify of K+1 = 5 tokens, prefill, extend): checks the KV store
 (exact) and the attention output against the torch reference in float32 on a sample of
-requests, then times store_kv, attention (eager, median of triton.testing.do_bench) and,
+requests, then times the store (`rotate_and_store` without a rotation), attention (eager, median of triton.testing.do_bench) and,
 for decode/verify, the whole backend forward replayed from a CUDA graph. Bandwidth is the
 K/V bytes the attention must read over its time, against a 4.3 TB/s ceiling. A small
 sweep of launch configs follows (to tune `choose_config`). Results go to
@@ -35,7 +35,7 @@ sys.modules["tidal"] = _tidal
 
 from tidal.attention.torch_ref import attend  # noqa: E402
 from tidal.attention.triton_attn import (  # noqa: E402
-    AttentionConfig, TritonAttention, choose_config, paged_attention, store_kv,
+    AttentionConfig, TritonAttention, choose_config, paged_attention, rotate_and_store,
 )
 from tidal.batch import ForwardBatch  # noqa: E402
 
@@ -71,7 +71,7 @@ def make_case(batch_size: int, context: int, new_tokens: int, seed: int = 0):
 
 def check(q, k, v, cache, batch, tables, new_tokens) -> dict:
     """Store exactness and attention error on up to 4 sampled requests."""
-    store_kv(k, v, cache, batch.slot_mapping)
+    rotate_and_store(q, k, v, cache, batch, None)
     flat = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
     store_ok = bool(torch.equal(flat[0, batch.slot_mapping], k)
                     and torch.equal(flat[1, batch.slot_mapping], v))
@@ -119,7 +119,7 @@ def run_case(kind: str, batch_size: int, context: int, new_tokens: int) -> dict:
     visible = sum(context + j + 1 for j in range(new_tokens)) * batch_size
     flops = 4 * NUM_HEADS * HEAD_DIM * visible
     res["store_ms"] = triton.testing.do_bench(
-        lambda: store_kv(k, v, cache, batch.slot_mapping), return_mode="median")
+        lambda: rotate_and_store(q, k, v, cache, batch, None), return_mode="median")
     res["attn_ms"] = triton.testing.do_bench(
         lambda: paged_attention(q, cache, batch, SCALE), return_mode="median")
     res["attn_tb_s"] = kv_bytes / res["attn_ms"] / 1e9
@@ -140,7 +140,7 @@ def sweep_case(kind, batch_size, context, new_tokens, variants, deadline) -> lis
     """Time the configs `variants(default_config)` on one case (outputs checked against
     the default config); stops at `deadline`."""
     q, k, v, cache, batch, _ = make_case(batch_size, context, new_tokens)
-    store_kv(k, v, cache, batch.slot_mapping)
+    rotate_and_store(q, k, v, cache, batch, None)
     want = paged_attention(q, cache, batch, SCALE).float()
     base = choose_config(batch, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE, DEVICE)
     rows = []

@@ -21,3 +21,26 @@ def checkpoint(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture
+def bf16_rounds_to_nearest(monkeypatch):
+    """The Triton interpreter (triton 3.9) truncates float32 -> bf16; the GPU rounds to
+    nearest even, as torch does. Patch the cast so that checks of bf16 results that must
+    equal torch's are meaningful."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if not isinstance(tl.max, interpreter.InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set")
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
+
+    def patched(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(bits.view(np.uint16), tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", patched)

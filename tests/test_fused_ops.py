@@ -1,13 +1,10 @@
 """Fused Triton RMSNorm / rotary / SiluAndMul against the torch modules, on the CPU through
 the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 from tidal.layers import fused  # noqa: E402
 from tidal.layers.activation import SiluAndMul  # noqa: E402
@@ -18,21 +15,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = [1, 37]
 
 
-@pytest.fixture(autouse=True)
-def round_to_nearest_bf16(monkeypatch):
-    """The interpreter (triton 3.9) truncates float32 -> bf16; the GPU rounds to nearest
-    even, as torch does. Patch the cast so the rounding checks below are meaningful."""
-    if not isinstance(tl.max, interpreter.InterpretedFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set")
-    cast_impl = interpreter.InterpreterBuilder.cast_impl
-
-    def patched(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.int16).numpy()
-            return interpreter.TensorHandle(bits.view(np.uint16), tl.bfloat16)
-        return cast_impl(self, src, dst_type)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "cast_impl", patched)
+pytestmark = pytest.mark.usefixtures("bf16_rounds_to_nearest")
 
 
 def close(actual, expected):
@@ -148,6 +131,21 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
     keys = sampler._row_keys(seeds, counters, sampler.STREAM_DRAFT)
     assert fused.race_sample(weights, keys).tolist() == expected.tolist()
     assert all(weights[i, t] > 0 for i, t in enumerate(expected.tolist()))
+
+
+@pytest.mark.parametrize("n, vocab", [(1, 5), (1, 70_000), (3, 9000), (300, 2100)])
+def test_argmax_is_torchs_first_index_of_the_maximum(n, vocab):
+    """The split argmax gives torch's argmax: ties (integer values, a row all equal, the
+    maximum repeated across splits) go to the first index, -inf entries and a row of only
+    -inf included, on row-strided input, with one split per row or many."""
+    torch.manual_seed(0)
+    x = (torch.randn(n, vocab + 3) * 2).round()[:, :vocab]
+    x[0] = x[0].max()  # every index ties
+    x[-1, vocab // 3::vocab // 3 + 1] = 100.0  # the maximum again in later splits
+    if n > 2:
+        x[1] = float("-inf")
+        x[2, :vocab // 2] = float("-inf")
+    assert fused.argmax(x).tolist() == x.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("vocab", [7, 3000])

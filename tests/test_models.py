@@ -67,7 +67,7 @@ class Runner:
         requests = requests if requests is not None else list(range(len(tokens)))
         batch = ForwardBatch.build(tokens, context_lens, [self.pages[r] for r in requests], PAGE_SIZE, "cpu")
         with torch.no_grad():
-            out = self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+            out = self.model(batch.input_ids, batch, self.kv_caches)
             hidden = out[0] if isinstance(out, tuple) else out
             logits = self.model.compute_logits(hidden)
         return list(logits.split([len(t) for t in tokens])), out
@@ -281,9 +281,9 @@ def test_eagle3_head_matches_reference(tmp_path, checkpoint, with_embedding):
     pages = [[3, 1, 4, 0, 5, 2]]
     with torch.no_grad():
         batch = ForwardBatch.build([tokens[:n]], [0], pages, PAGE_SIZE, "cpu")
-        first = head(batch.input_ids, aux[:n], batch.positions, batch, kv_cache)
+        first = head(batch.input_ids, aux[:n], batch, kv_cache)
         batch = ForwardBatch.build([tokens[n:]], [n], pages, PAGE_SIZE, "cpu")
-        second = head(batch.input_ids, first[-1:], batch.positions, batch, kv_cache)
+        second = head(batch.input_ids, first[-1:], batch, kv_cache)
         logits = head.compute_logits(torch.cat([first, second]))
         hidden = torch.cat([aux[:n] @ tensors["fc.weight"].T, first[-1:]])
         ref_prenorm, ref_logits = eagle3_reference(tensors, embed, cfg.head_dim, tokens, hidden)

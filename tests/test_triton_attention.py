@@ -12,7 +12,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from tidal.attention.triton_attn import (  # noqa: E402
-    AttentionConfig, TritonAttention, choose_config, paged_attention, store_kv,
+    AttentionConfig, TritonAttention, choose_config, paged_attention, rotate_and_store,
 )
 from tidal.batch import ForwardBatch  # noqa: E402
 
@@ -157,21 +157,45 @@ def test_split_kv_mixed_batch(num_splits):
     """Splits also serve prefill, extend and verify rows (some splits see no key)."""
     seqs = MIXED + [(130, 4)]
     q, k, v, cache, batch, keys, values = make_case(seqs, 4, 2, 64, 16, torch.float32, seed=3)
-    store_kv(k, v, cache, batch.slot_mapping)
+    rotate_and_store(q, k, v, cache, batch, None)
     cfg = AttentionConfig(block_m=16, block_n=32, num_splits=num_splits, num_warps=4, num_stages=2)
     out = paged_attention(q, cache, batch, 0.125, cfg)
     torch.testing.assert_close(out, reference(q, keys, values, seqs, 0.125), atol=1e-5, rtol=1e-5)
 
 
-def test_store_kv_skips_negative_slots():
+def test_store_skips_negative_slots():
     gen = torch.Generator().manual_seed(4)
     cache = torch.randn(2, 6, 16, 3, 64, generator=gen)
+    q = torch.randn(5, 6, 64, generator=gen)
     k = torch.randn(5, 3, 64, generator=gen)
     v = torch.randn(5, 3, 64, generator=gen)
     slots = torch.tensor([17, -1, 95, 0, -1])
+    batch = ForwardBatch(torch.zeros(5, dtype=torch.long), torch.arange(5), torch.tensor([0, 5], dtype=torch.int32),
+                         torch.tensor([5], dtype=torch.int32), torch.zeros(1, 6, dtype=torch.int32), slots, 5, 5)
     want = expected_cache(cache, k, v, slots)
-    store_kv(k, v, cache, slots)
+    assert torch.equal(rotate_and_store(q, k, v, cache, batch, None), q)
     assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_is_applied_as_the_module_applies_it(dtype, bf16_rounds_to_nearest):
+    """With a rotary table, q comes back rotated and the cache holds the rotated keys, equal
+    to RotaryEmbedding's own rotation (llama3 scaling, positions across pages)."""
+    from tidal.layers.rotary import RotaryEmbedding
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    rope = RotaryEmbedding(64, 512, 10000.0, scaling)
+    q, k, v, cache, batch, keys, values = make_case(MIXED, 4, 2, 64, 16, dtype, seed=8)
+    q_ref, k_ref = rope(batch.positions, q, k)
+    want_cache = expected_cache(cache, k_ref, v, batch.slot_mapping)
+    q_out = rotate_and_store(q, k, v, cache, batch, rope.cos_sin)
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(cache, want_cache)
+    out = TritonAttention().forward(q, k, v, cache.clone(), batch, 0.125, rope)
+    torch_ref = pytest.importorskip("tidal.attention.torch_ref")
+    want = torch_ref.TorchAttention().forward(q, k, v, cache.clone(), batch, 0.125, rope)
+    torch.testing.assert_close(out, want, **tol(dtype))
 
 
 def test_rejects_bad_head_dim():

@@ -75,8 +75,7 @@ class ModelRunner:
                                          device=self.device)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             spec = self.config.speculative_config
-            self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch.positions, batch,
-                                                                     self.kv_caches),
+            self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch, self.kv_caches),
                                      self.page_size, self.max_model_len, self.config.max_num_seqs,
                                      1 + (spec.num_speculative_tokens if spec else 0), self.device)
             self.graphs.capture()
@@ -104,7 +103,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         for batch in self.warmup_batches(self.config.max_num_batched_tokens):
-            self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+            self.model(batch.input_ids, batch, self.kv_caches)
         torch.cuda.synchronize(self.device)
 
     def kv_bytes_per_page(self, mc: ModelConfig) -> int:
@@ -151,7 +150,7 @@ class ModelRunner:
             batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device)
             if input_ids is not None:
                 batch.input_ids.copy_(input_ids)
-            out, slot_mapping = self.model(batch.input_ids, batch.positions, batch, self.kv_caches), batch.slot_mapping
+            out, slot_mapping = self.model(batch.input_ids, batch, self.kv_caches), batch.slot_mapping
         if self.aux_cache is not None:
             hidden, aux = out
             self.aux_cache[slot_mapping] = aux

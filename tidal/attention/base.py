@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from tidal.batch import ForwardBatch
+from tidal.layers.rotary import RotaryEmbedding
 
 
 class AttentionBackend(Protocol):
@@ -25,9 +26,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
         batch: ForwardBatch,
         scale: float,
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:           # [T, num_heads, head_dim]
-        """Store k/v at batch.slot_mapping (skipping -1), then attend causally over each
-        request's cached context plus its new tokens."""
+        """Rotate q and k by `rotary` at batch.positions (a backend may fuse this with the
+        store), store k/v at batch.slot_mapping (skipping -1), then attend causally over
+        each request's cached context plus its new tokens."""
         ...
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tidal.batch import ForwardBatch
+from tidal.layers.rotary import RotaryEmbedding
 
 BATCHED_QUERY_LEN = 16  # requests with at most this many query tokens share one pass
 
@@ -25,7 +26,10 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:
+        if rotary is not None:
+            q, k = rotary(batch.positions, q, k)
         store_kv(k, v, kv_cache, batch.slot_mapping)
         out = torch.empty_like(q)
         starts, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()

@@ -1,7 +1,8 @@
 """Triton paged attention (the GPU backend).
 
 Three kernels:
-- `_store_kv_kernel` writes each token's k/v into the paged cache at its slot (-1 = skip).
+- `_rotate_store_kernel` applies the rotary embedding to each token's q and k, and writes
+  its k/v into the paged cache at its slot (-1 = skip).
 - `_attention_kernel` attends a block of query tokens of one request over its keys, read
   through the page table. One kernel serves prefill, chunked extend, verification and
   decode: query lengths vary per request, attention is causal with the cached prefix
@@ -28,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tidal.batch import ForwardBatch
+from tidal.layers.rotary import RotaryEmbedding
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_KEYS = 256  # fewest keys worth a split of their own
@@ -35,27 +37,44 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
+def _rotate_store_kernel(
+    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, cache_ptr, slot_ptr,
+    s_cs, sq0, sq1, sk0, sk1, sv0, sv1, sqo0, sqo1,
     stride_kv, stride_page, stride_slot, stride_head,
-    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr,
 ):
-    """One program per token: copy its k/v (all kv heads) into the cache slot."""
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    heads = tl.arange(0, HEADS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (heads < NUM_KV_HEADS)[:, None]
-    dst = (cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot
-           + heads[:, None] * stride_head + offs_d[None, :])
-    k = tl.load(k_ptr + t * stride_kt + heads[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(dst, k, mask=mask)
-    tl.store(dst + stride_kv, v, mask=mask)
+    """Program (token, head) over the query heads, then the kv heads: a query head is
+    rotated into the output; a kv head's key is rotated and stored with its value in the
+    cache slot (-1 = skip). The neox rotation [x1 cos - x2 sin, x2 cos + x1 sin] runs in
+    float32 and is stored in the input dtype, as `RotaryEmbedding` does."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, HALF)
+    if ROTATE:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * s_cs + offs)
+        sin = tl.load(cs_ptr + pos * s_cs + HALF + offs)
+    if h < NUM_HEADS:
+        src = q_ptr + t * sq0 + h * sq1
+        dst = qo_ptr + t * sqo0 + h * sqo1
+        keep = offs < HALF  # every query is rotated, padding's too
+    else:
+        slot = tl.load(slot_ptr + t)
+        keep = offs < tl.where(slot >= 0, HALF, 0)
+        kv_head = h - NUM_HEADS
+        src = k_ptr + t * sk0 + kv_head * sk1
+        dst = cache_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_head
+        v_src = v_ptr + t * sv0 + kv_head * sv1
+        tl.store(dst + stride_kv + offs, tl.load(v_src + offs), mask=keep)
+        tl.store(dst + stride_kv + HALF + offs, tl.load(v_src + HALF + offs), mask=keep)
+    x1 = tl.load(src + offs)
+    x2 = tl.load(src + HALF + offs)
+    if ROTATE:
+        dtype = x1.dtype
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        x1, x2 = (a * cos - b * sin).to(dtype), (b * cos + a * sin).to(dtype)
+    tl.store(dst + offs, x1, mask=keep)
+    tl.store(dst + HALF + offs, x2, mask=keep)
 
 
 @triton.jit
@@ -230,20 +249,32 @@ def choose_config(
     return AttentionConfig(block_m, block_n, num_splits, 8 if block_m >= 128 else 4, 3)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k/v [T, num_kv_heads, head_dim] into kv_cache at slot_mapping (-1 = skip)."""
-    num_tokens, num_kv_heads, head_dim = k.shape
+def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     batch: ForwardBatch, cos_sin: torch.Tensor | None) -> torch.Tensor:
+    """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] at batch.positions
+    by the [max_pos, head_dim] cos|sin table (None: no rotation), and write k/v into
+    kv_cache at batch.slot_mapping (-1 = skip), in one kernel. Returns the rotated q,
+    contiguous; the rotated k lives only in the cache, where attention reads it."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.dtype == k.dtype == v.dtype == kv_cache.dtype, "q, k, v and the kv cache must share a dtype"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == kv_cache.stride(-1) == 1
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"need a power-of-two head_dim >= 16, got {head_dim}"
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
-        return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.stride(-1) == 1
-    _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        return q_out
+    rotate = cos_sin is not None
+    cs = cos_sin if rotate else q_out  # unread without rotation
+    assert not rotate or (cos_sin.dtype == torch.float32 and cos_sin.stride(-1) == 1)
+    _rotate_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+        batch.positions, cs, q, k, v, q_out, kv_cache, batch.slot_mapping,
+        cs.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=_next_pow2(num_kv_heads), HEAD_DIM=head_dim,
-        PAGE_SIZE=kv_cache.shape[2],
+        NUM_HEADS=num_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2], ROTATE=rotate,
+        num_warps=1,
     )
+    return q_out
 
 
 def paged_attention(
@@ -306,7 +337,7 @@ class TritonAttention:
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-        batch: ForwardBatch, scale: float,
+        batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
     ) -> torch.Tensor:
-        store_kv(k, v, kv_cache, batch.slot_mapping)
+        q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
         return paged_attention(q, kv_cache, batch, scale)

@@ -137,7 +137,7 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """
     logits = logits.float()
     if st.any_greedy:
-        greedy_onehot = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
+        greedy_onehot = torch.zeros_like(logits).scatter_(1, greedy_tokens(logits).unsqueeze(1), 1.0)
         if st.all_greedy:
             return greedy_onehot
     greedy = st.temperature == 0
@@ -171,6 +171,16 @@ def sorted_top_p(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor)
     return ordered.gather(1, num_kept - 1).squeeze(1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of logits [..., V] (on CUDA by `fused.argmax`, which splits
+    a row over many programs where torch reduces it in one)."""
+    if not logits.is_cuda:
+        return logits.argmax(-1)
+    from tidal.layers import fused
+
+    return fused.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+
+
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                       stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """Exact sample [N] int64 from unnormalised non-negative weights [N, V] by the
@@ -188,7 +198,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) ->
     """Next token per row [N] int64: argmax for greedy rows, else an exact sample from
     processed_probs. counters [N] int64: index of the output token being sampled."""
     if st.all_greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     return sample_from_probs(processed_probs(logits, st), st.seeds, counters, STREAM_SAMPLE)
 
 

@@ -107,16 +107,15 @@ class Eagle3Head(nn.Module):
         self,
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
-        positions: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """One draft step for tokens [T] at positions [T]: hidden is the target's aux
+        """One draft step for tokens [T] at batch.positions: hidden is the target's aux
         states [T, 3*Ht] or the previous step's prenorm [T, H]. Returns prenorm [T, H]."""
         if hidden.shape[-1] == 3 * self.cfg.target_hidden_size:
             hidden = self.fc(hidden)
         x = torch.cat([self.input_layernorm(self.embed_tokens(input_ids)), self.hidden_norm(hidden)], dim=-1)
-        x = self.self_attn(x, positions, self.rotary, batch, kv_cache)
+        x = self.self_attn(x, self.rotary, batch, kv_cache)
         x, residual = self.post_attention_layernorm(x, hidden)
         return self.mlp(x) + residual
 

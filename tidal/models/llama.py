@@ -43,7 +43,6 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         rotary: RotaryEmbedding,
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
@@ -55,8 +54,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = self.attn.forward(q, k, v, kv_cache, batch, self.scale)
+        out = self.attn.forward(q, k, v, kv_cache, batch, self.scale, rotary)
         return self.o_proj(out.flatten(1))
 
 
@@ -79,14 +77,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hidden, residual, positions, rotary, batch, kv_cache):
+    def forward(self, hidden, residual, rotary, batch, kv_cache):
         """(hidden, residual) -> (hidden, residual); the stream after the layer is their sum.
         residual None means hidden is the raw embedding (first layer)."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, rotary, batch, kv_cache)
+        hidden = self.self_attn(hidden, rotary, batch, kv_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -126,7 +124,6 @@ class CausalLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        positions: torch.Tensor,
         batch: ForwardBatch,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +132,7 @@ class CausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         aux = {}
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, self.rotary, batch, kv_caches[i])
+            hidden, residual = layer(hidden, residual, self.rotary, batch, kv_caches[i])
             if i in self.aux_layer_ids:
                 aux[i] = hidden + residual
         hidden, _ = self.norm(hidden, residual)

@@ -40,7 +40,7 @@ class DraftModelProposer(ChainDrafter):
         return req.num_tokens + j - 1
 
     def forward(self, batch, state):
-        hidden = self.model(batch.input_ids, batch.positions, batch, self.kv_caches)
+        hidden = self.model(batch.input_ids, batch, self.kv_caches)
         return self.model.compute_logits(hidden[batch.query_start_loc[1:].long() - 1]), None
 
     def absorbed(self, req, k):

@@ -47,7 +47,7 @@ class Eagle3Proposer(ChainDrafter):
         return req.num_tokens + j - 2
 
     def forward(self, batch, state):
-        prenorm = self.head(batch.input_ids, state, batch.positions, batch, self.kv_cache)
+        prenorm = self.head(batch.input_ids, state, batch, self.kv_cache)
         last = prenorm[batch.query_start_loc[1:].long() - 1]
         return self.head.compute_logits(last), last
 

@@ -21,7 +21,7 @@ import torch
 
 from tidal.batch import ForwardBatch, to_device
 from tidal.graphs import CudaGraphs
-from tidal.layers.sampler import STREAM_DRAFT, processed_probs, sample_from_probs
+from tidal.layers.sampler import STREAM_DRAFT, greedy_tokens, processed_probs, sample_from_probs
 from tidal.step import Drafts, StepPlan
 
 
@@ -190,7 +190,7 @@ class ChainDrafter(ABC):
 
     def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
         if st.all_greedy:
-            return self.to_target(logits.argmax(-1))
+            return self.to_target(greedy_tokens(logits))
         q = processed_probs(logits, st)
         self.scatter(probs, rows, j, q)
         return self.to_target(sample_from_probs(q, st.seeds, counters, STREAM_DRAFT))

@@ -9,6 +9,7 @@ from tidal.layers.sampler import (
     STREAM_ACCEPT,
     STREAM_SAMPLE,
     SamplingTensors,
+    greedy_tokens,
     hash_uniform,
     processed_probs,
     sample_from_probs,
@@ -49,7 +50,7 @@ def verify(
 
     greedy_only = st.all_greedy
     if greedy_only:
-        target_argmax = target_logits.argmax(-1)  # [B, W]
+        target_argmax = greedy_tokens(target_logits)  # [B, W]
     else:
         p = processed_probs(target_logits.reshape(B * W, V), st.repeat_rows(W)).view(B, W, V)
 
