@@ -13,7 +13,8 @@ Four questions, each answered side by side in one run:
   and 4,000 keys with 1 to 32 key splits, 32 calls replayed from a graph;
 - mixed steps: the host time to queue an eager forward of 64 decodes plus one 128-token
   prompt, against its GPU time, and the same for 64 decodes alone, eager and from the graph;
-  then the host ops of one mixed forward under the profiler.
+  the mixed forward from the piecewise graphs (checked equal to the eager one); then the
+  host ops of one mixed eager forward under the profiler.
 Prints a table last; writes $OUT/step_anatomy.json.
 """
 
@@ -253,6 +254,15 @@ def mixed_section(model_dir, device, smoke):
             out[label] = timed(forward)
             if device == "cuda":  # the same forward's GPU time alone, from a graph of it
                 out[label]["gpu_ms"] = graph_ms(forward, reps=5)
+        if runner.pieces is not None:
+            feeds = [[5] for _ in range(decodes)] + [[7] * prompt]
+            bucket = runner.pieces.bucket(decodes + prompt)
+            padded = ForwardBatch.build(feeds, [ctx] * decodes + [0], tables + [prompt_table], ps, device,
+                                        pad_tokens=bucket)
+            eager = runner.model(padded.input_ids, padded, runner.kv_caches)[:decodes + prompt]
+            pieces = runner.pieces.run(padded, decodes + prompt)
+            out["mixed piecewise == eager"] = bool(torch.equal(eager, pieces))
+            out["mixed piecewise"] = timed(lambda: runner.pieces.run(padded, decodes + prompt))
         if runner.graphs is not None:
             feeds = [[5] for _ in range(decodes)]
 
@@ -305,7 +315,7 @@ def main():
     print("weight products, 32 layers from one graph (ms), worst relative error:")
     for label, ms in sorted(w["chain_ms"].items(), key=lambda kv: kv[1]):
         print(f"  {label:<40} {ms:7.3f}  {w['check'][label]:.1e}")
-    print("mixed steps (ms):")
+    print("mixed steps (ms; piecewise = graphs around eager attention):")
     for label, row in results["mixed"].items():
         print(f"  {label:<40} {row}")
 

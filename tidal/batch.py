@@ -50,11 +50,14 @@ class ForwardBatch:
         page_tables: list[list[int]],
         page_size: int,
         device: torch.device | str,
+        pad_tokens: int = 0,
     ) -> "ForwardBatch":
         """Build from per-request query tokens, the number of tokens already in the KV cache
         before them, and each request's page table: one host-to-device copy for all of it
-        (each copy costs the host more than a kernel)."""
-        host = HostBatch(token_ids, context_lens, page_tables, page_size, pin=torch.device(device).type == "cuda")
+        (each copy costs the host more than a kernel). `pad_tokens` pads the tokens to that
+        many with ones that belong to no request and store nowhere."""
+        host = HostBatch(token_ids, context_lens, page_tables, page_size, pin=torch.device(device).type == "cuda",
+                         pad_tokens=pad_tokens)
         buffer = host.buffer.to(device, non_blocking=True)
         ids, positions, slots = token_fields(host.tokens(buffer), host.num_tokens)
         query_start_loc, seq_lens = row_fields(host.rows(buffer), host.num_seqs)

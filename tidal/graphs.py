@@ -1,4 +1,5 @@
-"""CUDA graphs for decode, verification and drafting steps.
+"""CUDA graphs for decode, verification and drafting steps (`CudaGraphs`), and for steps
+that carry prompt tokens (`PiecewiseGraphs`, below).
 
 One graph per (batch bucket, tokens per request W). For the target, W = 1 is the plain
 decode and W = 1 + K verifies up to K drafts per request; drafters capture their catch-up
@@ -113,3 +114,105 @@ class CudaGraphs:
         """`load`, then `replay`."""
         key = self.load(feeds, context_lens, page_tables, width, state, input_ids)
         return self.replay(key, sum(len(f) for f in feeds), len(feeds))
+
+
+# Token counts of the piecewise graphs. Steps with more tokens than the largest run eagerly:
+# there the GPU's work outlasts the host's ~11 ms of launches (run34: 64 decodes + a
+# 128-token prompt take 11.8 ms to launch eagerly, 7.3 ms on the GPU).
+PIECEWISE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+class PiecewiseGraphs:
+    """CUDA graphs for the steps `CudaGraphs` does not serve: prompt chunks, alone or
+    beside decodes. Their attention needs the step's own grids, so the forward is cut at
+    each attention call: what lies between two calls (norms, projections, MLP) replays from
+    a graph captured per token bucket, and attention runs eagerly between the pieces on
+    the step's batch, padded to the bucket with tokens that store nowhere. A graph reads
+    the attention output from one static buffer, which every attention call writes into."""
+
+    def __init__(self, model: torch.nn.Module, attn, kv_caches: list[torch.Tensor], max_tokens: int,
+                 page_size: int, device: torch.device):
+        self.model, self.attn, self.kv_caches = model, attn, kv_caches
+        self.page_size = page_size
+        self.device = device
+        self.buckets = sorted({t for t in PIECEWISE_BUCKETS if t < max_tokens} | {min(max_tokens, PIECEWISE_BUCKETS[-1])})
+        self.input_ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
+        self.attn_out: torch.Tensor | None = None  # [max bucket, heads, head_dim], allocated at the first cut
+        # bucket -> (graphs, the attention calls between them, the last graph's outputs)
+        self.pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple], object]] = {}
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The token bucket a step of this many tokens replays, None if it runs eagerly."""
+        return next((t for t in self.buckets if t >= num_tokens), None)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for t in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+            # One request of t tokens on the null page: the recording run attends for real.
+            batch = ForwardBatch.build([[0] * t], [0], [[0] * -(-t // self.page_size)], self.page_size, self.device)
+            ids = self.input_ids[:t]
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model(ids, batch, self.kv_caches)  # compile and warm up
+                recorder = _Recorder(self, pool)
+                out = recorder.record(lambda: self.model(ids, batch, self.kv_caches))
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self.pieces[t] = (recorder.graphs, recorder.calls, out)
+        torch.cuda.synchronize(self.device)
+
+    def run(self, batch: ForwardBatch, num_tokens: int):
+        """Replay the pieces of batch.num_tokens (a bucket; the first `num_tokens` are real)
+        around attention on `batch`. Returns the outputs of the real tokens."""
+        graphs, calls, out = self.pieces[batch.num_tokens]
+        self.input_ids[:batch.num_tokens].copy_(batch.input_ids)
+        attn_out = self.attn_out[:batch.num_tokens]
+        for graph, call in zip(graphs, calls + [None]):
+            graph.replay()
+            if call is not None:
+                q, k, v, kv_cache, scale, rotary = call
+                self.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=attn_out)
+        if isinstance(out, tuple):
+            return tuple(o[:num_tokens] for o in out)
+        return out[:num_tokens]
+
+
+class _Recorder:
+    """Stands in for the attention backend while a forward is recorded: each call ends the
+    graph being captured, runs attention eagerly into the static output buffer, notes its
+    inputs (which live in the graphs' memory) and begins the next graph."""
+
+    def __init__(self, owner: PiecewiseGraphs, pool):
+        self.owner, self.pool = owner, pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[tuple] = []
+
+    def record(self, forward: Callable[[], object]):
+        modules = [m for m in self.owner.model.modules() if getattr(m, "attn", None) is self.owner.attn]
+        for m in modules:
+            m.attn = self
+        try:
+            self._begin()
+            out = forward()
+            self.graphs[-1].capture_end()
+        finally:
+            for m in modules:
+                m.attn = self.owner.attn
+        return out
+
+    def _begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, out=None):
+        self.graphs[-1].capture_end()
+        owner = self.owner
+        if owner.attn_out is None:
+            owner.attn_out = torch.zeros(owner.buckets[-1], *q.shape[1:], dtype=q.dtype, device=q.device)
+        out = owner.attn_out[:q.shape[0]]
+        owner.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=out)
+        self.calls.append((q, k, v, kv_cache, scale, rotary))
+        self._begin()
+        return out

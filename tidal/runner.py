@@ -14,7 +14,7 @@ import torch
 from tidal.attention import get_backend
 from tidal.batch import ForwardBatch, to_device
 from tidal.config import DTYPES, EngineConfig
-from tidal.graphs import CudaGraphs
+from tidal.graphs import CudaGraphs, PiecewiseGraphs
 from tidal.kv_cache import NULL_PAGE
 from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
@@ -47,7 +47,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.aux_layer_ids: tuple[int, ...] = ()    # set by an EAGLE-3 proposer before allocation
         self.aux_cache: torch.Tensor | None = None  # target hidden states per KV slot, for EAGLE-3
-        self.graphs: CudaGraphs | None = None
+        self.graphs: CudaGraphs | None = None        # decode and verification steps
+        self.pieces: PiecewiseGraphs | None = None   # steps with prompt tokens
         self._sampling: tuple[list, SamplingTensors | None] = ([], None)
 
     def sampling_tensors(self, reqs: list) -> SamplingTensors:
@@ -79,6 +80,9 @@ class ModelRunner:
                                      self.page_size, self.max_model_len, self.config.max_num_seqs,
                                      1 + (spec.num_speculative_tokens if spec else 0), self.device)
             self.graphs.capture()
+            self.pieces = PiecewiseGraphs(self.model, self.attn, self.kv_caches, self.config.max_num_batched_tokens,
+                                          self.page_size, self.device)
+            self.pieces.capture()
 
     # Shapes (requests, query tokens each, cached context) that reach every Triton kernel
     # variant eager steps use: decode, verification, chunked extend and prefill, with and
@@ -98,8 +102,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile the eager path's Triton kernels now rather than in a user's step (the
-        graphs cover plain decodes and verification; prefills and long catch-ups run eagerly)."""
+        """Compile the eager path's Triton kernels now rather than in a user's step (graphs
+        cover decodes, verification and steps of up to `PIECEWISE_BUCKETS[-1]` tokens; longer
+        steps run eagerly, and so does everything with `enforce_eager`)."""
         if self.device.type != "cuda":
             return
         for batch in self.warmup_batches(self.config.max_num_batched_tokens):
@@ -147,10 +152,16 @@ class ModelRunner:
         if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
             out, slot_mapping = self.graphs.run(feeds, contexts, pages, width, input_ids=input_ids)
         else:
-            batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device)
+            num_tokens = sum(len(f) for f in feeds)
+            bucket = self.pieces.bucket(num_tokens) if self.pieces is not None else None
+            batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device, pad_tokens=bucket or 0)
             if input_ids is not None:
-                batch.input_ids.copy_(input_ids)
-            out, slot_mapping = self.model(batch.input_ids, batch, self.kv_caches), batch.slot_mapping
+                batch.input_ids[:num_tokens].copy_(input_ids)
+            if bucket is None:
+                out = self.model(batch.input_ids, batch, self.kv_caches)
+            else:
+                out = self.pieces.run(batch, num_tokens)
+            slot_mapping = batch.slot_mapping[:num_tokens]
         if self.aux_cache is not None:
             hidden, aux = out
             self.aux_cache[slot_mapping] = aux

@@ -27,10 +27,12 @@ class AttentionBackend(Protocol):
         batch: ForwardBatch,
         scale: float,
         rotary: RotaryEmbedding | None = None,
+        out: torch.Tensor | None = None,  # where to write the result (q's shape and dtype)
     ) -> torch.Tensor:           # [T, num_heads, head_dim]
         """Rotate q and k by `rotary` at batch.positions (a backend may fuse this with the
         store), store k/v at batch.slot_mapping (skipping -1), then attend causally over
-        each request's cached context plus its new tokens."""
+        each request's cached context plus its new tokens. Rows of `out` past the batch's
+        real tokens (padding) are left as they were."""
         ...
 
 

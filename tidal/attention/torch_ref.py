@@ -27,11 +27,12 @@ class TorchAttention:
         batch: ForwardBatch,
         scale: float,
         rotary: RotaryEmbedding | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if rotary is not None:
             q, k = rotary(batch.positions, q, k)
         store_kv(k, v, kv_cache, batch.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         starts, seq_lens = batch.query_start_loc.tolist(), batch.seq_lens.tolist()
         rows = [i for i in range(len(seq_lens)) if starts[i + 1] > starts[i]]
         short = [i for i in rows if starts[i + 1] - starts[i] <= BATCHED_QUERY_LEN]

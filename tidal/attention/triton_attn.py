@@ -279,9 +279,10 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-    config: AttentionConfig | None = None,
+    config: AttentionConfig | None = None, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [T, num_heads, head_dim] over each request's cached keys."""
+    """Causal attention of q [T, num_heads, head_dim] over each request's cached keys,
+    written into `out` (contiguous, q's shape and dtype) when given."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, cache_head_dim = kv_cache.shape
     assert head_dim == cache_head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}"
@@ -291,7 +292,9 @@ def paged_attention(
         f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     assert q.dtype == kv_cache.dtype, f"q dtype {q.dtype} != kv cache dtype {kv_cache.dtype}"
     assert q.stride(-1) == 1 and kv_cache.stride(-1) == 1
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
@@ -338,6 +341,7 @@ class TritonAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
-        return paged_attention(q, kv_cache, batch, scale)
+        return paged_attention(q, kv_cache, batch, scale, out=out)
