@@ -27,7 +27,9 @@ the JSON keeps both runs. Writes $OUT/policy_sweep.json and goodput's decision l
 acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; written
 on local disk during the run, then copied), and the same lines for the other policies
 ($OUT/steps_a*.jsonl, with the policy and load named), so that a cell's time can be taken
-apart step by step for every policy alike; prints the table last.
+apart step by step for every policy alike. Each cell also records the host time per step in
+the engine's phases (`phase_means`: whether a policy's own host work lands on the step's
+critical path). Prints the table last.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_fastpath import LLAMA_8B, SMOKE, random_prompts, free_memory, write_eagle_dir, write_model_dir
+from gpu_fastpath import LLAMA_8B, SMOKE, random_prompts, free_memory, timing, write_eagle_dir, write_model_dir
 from tidal import LLM, SamplingParams
+from tidal.runner import PendingStep
 from tidal.spec.policy import Fixed, Off
 
 
@@ -116,6 +119,22 @@ def requests_for(clients: int) -> int:
     return 4 * clients + 2 if clients <= 70 else 2 * clients + 1
 
 
+def host_phases(engine):
+    """Times the engine's host phases of every step (see `phase_means`)."""
+    return timing(("step", engine, "step"), ("propose", engine.proposer, "propose"),
+                  ("launch", engine.runner, "launch"), ("choose", engine.scheduler, "_draft_lens"),
+                  ("observe", engine, "_observe_last"), ("commit", engine.scheduler, "commit"),
+                  ("wait", PendingStep, "result"))
+
+
+def phase_means(calls) -> dict:
+    """Host microseconds per step in each phase: the whole step, the proposer, queueing the
+    target's step (`launch`), the policy's choice and learning, committing, and waiting for
+    the step's tokens (the device's share of the step, less what ran behind the host)."""
+    steps = max(len(calls["step"]), 1)
+    return {label: 1e6 * sum(times) / steps for label, times in calls.items()}
+
+
 def rate(run):
     """A cell's figure: the steady state of a single phase, the whole of a bursty load."""
     return run["steady_tok_s"] or run["tok_s"]
@@ -170,7 +189,9 @@ def main():
                     for load, phases in loads.items():
                         if name in logged:
                             logged[name].load = load
-                        r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
+                        with host_phases(llm.engine) as calls:
+                            r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
+                        r["host_us_per_step"] = phase_means(calls)
                         results["runs"].setdefault(f"a={acc} {name} {load}", []).append(r)
                         print(f"a={acc} {name:8} {load:6} {rate(r):9.0f} tok/s", flush=True)
             results[f"goodput_stats a={acc}"] = goodput.stats()
@@ -193,6 +214,12 @@ def main():
     (out_dir / "policy_sweep.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"\noutput tok/s (steady state of c clients; bursty: whole load), mean of 2 runs +- half their spread; "
           f"gp/best from the means ({results['seconds']:.0f} s in all)")
+    print("host us per step (mean of both runs): step / propose / launch / choose / observe / commit / wait")
+    for key, runs in results["runs"].items():
+        if not key.endswith("bursty") and key.split()[1] in ("fixed:4", "goodput", "off"):
+            us = {p: sum(r["host_us_per_step"].get(p, 0) for r in runs) / len(runs)
+                  for p in ("step", "propose", "launch", "choose", "observe", "commit", "wait")}
+            print(f"  {key:<22} " + " / ".join(f"{v:6.0f}" for v in us.values()))
     print(f"{'acc':>4} {'load':>7} " + " ".join(f"{n:>13}" for n in NAMES) + f" {'gp/best':>8}")
     for row in table:
         cells = (f"{row[n]:9.0f} {50 * (row['max'][n] - row['min'][n]) / row[n]:2.0f}%" for n in NAMES)
