@@ -189,6 +189,7 @@ def splits_section(shape, device, smoke):
         q = torch.randn(1, heads, d, device=device, dtype=dtype)
         k = torch.randn(1, kv_heads, d, device=device, dtype=dtype)
         v = torch.randn(1, kv_heads, d, device=device, dtype=dtype)
+        rotate_and_store(q, k, v, cache, batch, None)  # the timed calls store it too: compare like with like
         base = choose_config(batch, heads, kv_heads, d, dtype, torch.device(device))
         want = paged_attention(q, cache, batch, d ** -0.5, AttentionConfig(base.block_m, base.block_n, 1,
                                                                            base.num_warps, base.num_stages))

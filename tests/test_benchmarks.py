@@ -41,3 +41,12 @@ def test_policy_sweep_smoke(tmp_path):
         assert all(max(s["k"]) <= 4 and s["observed_s"] > 0 for s in steps)
         assert any(max(s["k"]) == 4 for s in steps if s["policy"] == "fixed:4")
         assert not any(any(s["k"]) for s in steps if s["policy"] == "off")
+
+
+def test_step_anatomy_smoke(tmp_path):
+    run_smoke("step_anatomy.py", tmp_path)
+    results = json.loads((tmp_path / "step_anatomy.json").read_text())
+    assert all(row["equal"] for row in results["argmax"].values())
+    assert max(results["weights"]["check"].values()) < 1e-3  # every skinny-GEMM variant computes x @ w.T
+    assert all(err < 1e-5 for row in results["splits"].values() for key, err in row.items() if key.startswith("err_"))
+    assert results["mixed"]["mixed eager"]["host_ms"] > 0

@@ -234,3 +234,22 @@ def test_abort_while_a_step_is_queued_ahead(checkpoint):
     alone = llm.generate([reqs[2].token_ids[:reqs[2].num_prompt_tokens]], greedy(), use_tqdm=False)[0]
     assert done[reqs[2].request_id].outputs[0].token_ids == alone.outputs[0].token_ids
     assert_idle(llm)
+
+
+def test_sampling_tensors_are_built_once_per_set_of_rows(checkpoint, monkeypatch):
+    """A drafting step asks for its drafting rows' and its sampling rows' tensors; while the
+    two sets alternate from step to step, neither is built again."""
+    from tidal.layers import sampler
+
+    engine = LLM(model=checkpoint("llama"), page_size=8).engine
+    runner, builds, real = engine.runner, [], sampler.SamplingTensors.build
+    monkeypatch.setattr(sampler.SamplingTensors, "build", lambda *a: builds.append(1) or real(*a))
+    reqs = [engine.make_request(p, greedy()) for p in prompts(3)]
+    drafting, sampling = reqs[:2], reqs
+    first = [runner.sampling_tensors(drafting), runner.sampling_tensors(sampling)]
+    for _ in range(3):
+        assert runner.sampling_tensors(drafting) is first[0] and runner.sampling_tensors(sampling) is first[1]
+    assert len(builds) == 2
+    runner.sampling_tensors(reqs[1:])  # a third set pushes out the one used longest ago
+    assert runner.sampling_tensors(sampling) is first[1] and len(builds) == 3
+    assert runner.sampling_tensors(drafting) is not first[0] and len(builds) == 4

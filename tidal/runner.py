@@ -49,17 +49,21 @@ class ModelRunner:
         self.aux_cache: torch.Tensor | None = None  # target hidden states per KV slot, for EAGLE-3
         self.graphs: CudaGraphs | None = None        # decode and verification steps
         self.pieces: PiecewiseGraphs | None = None   # steps with prompt tokens
-        self._sampling: tuple[list, SamplingTensors | None] = ([], None)
+        self._sampling: list[tuple[list, SamplingTensors]] = []  # the last two built, newest first
 
     def sampling_tensors(self, reqs: list) -> SamplingTensors:
         """The sampling tensors of these requests' rows. A decode batch keeps its requests
         from one step to the next, so the last ones built are reused while the rows are the
         same requests (their parameters and seeds never change): five host-to-device
-        copies fewer per step."""
-        last, st = self._sampling
-        if st is None or len(last) != len(reqs) or any(a is not b for a, b in zip(last, reqs)):
-            st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
-            self._sampling = (list(reqs), st)
+        copies fewer per step. Two sets are kept: a drafting step asks for its drafting
+        rows (the proposer) and for its sampling rows (verification), which differ while
+        some rows do not draft."""
+        for i, (last, st) in enumerate(self._sampling):
+            if len(last) == len(reqs) and all(a is b for a, b in zip(last, reqs)):
+                self._sampling.insert(0, self._sampling.pop(i))
+                return st
+        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        self._sampling = [(list(reqs), st)] + self._sampling[:1]
         return st
 
     def allocate_cache(self, extra_bytes_per_page: int = 0) -> None:
