@@ -92,6 +92,11 @@ SKINNY = [(8, 512, 4, 4, False), (16, 256, 4, 4, False), (16, 512, 4, 3, False),
           (16, 256, 4, 4, True), (128, 128, 8, 3, True)]
 
 
+def variants(m):
+    """cuBLAS and the skinny-GEMM configs that serve m query tokens, by label."""
+    return {"cublas": None, **{str(c): c for c in SKINNY if c[4] or m == 1}}
+
+
 def graph_ms(fn, reps=20):
     """Milliseconds per replay of fn captured in one CUDA graph (median of event timings)."""
     fn()
@@ -125,8 +130,7 @@ def weights_section(shape, device, smoke):
     out = {"check": {}, "chain_ms": {}}
     for m in (1, 5):
         x = {name: torch.randn(m, k, device=device, dtype=dtype) for name, (_, k) in dims.items()}
-        variants = {"cublas": None, **{str(c): c for c in SKINNY if c[4] or m == 1}}
-        for label, cfg in variants.items():
+        for label, cfg in variants(m).items():
             errs = []
             for name, w in weights[0].items():
                 want = x[name].float() @ w.float().T
@@ -148,7 +152,7 @@ def weights_section(shape, device, smoke):
         for m in (1, 5):
             for name in dims:
                 xs = torch.randn(m, dims[name][1], device=device, dtype=torch.bfloat16)
-                for label, cfg in {"cublas": None, **{str(c): c for c in SKINNY if c[4] or m == 1}}.items():
+                for label, cfg in variants(m).items():
                     def one(cfg=cfg, name=name, xs=xs):
                         for layer in weights:
                             F.linear(xs, layer[name]) if cfg is None else skinny(xs, layer[name], cfg)
