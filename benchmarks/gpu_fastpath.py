@@ -266,21 +266,34 @@ def scheduler_overhead(llm, prompts, new_tokens):
     return {"host_ms": host * 1e3, "step_ms": total * 1e3, "fraction": host / total}
 
 
-def host_phases(llm, prompts, new_tokens):
-    """Host time per step (us, inclusive) in the engine's phases, without the profiler (which
-    inflates host costs, CUDA graph launches most): where a host-bound step goes."""
-    engine = llm.engine
-    targets = [("step", engine, "step"), ("waiting for tokens", PendingStep, "result"),
-               ("commit", engine.scheduler, "commit"), ("launch", engine.runner, "launch")]
+def phase_timing(engine):
+    """`timing` of the engine's host phases, measured without the profiler (which inflates
+    host costs, CUDA graph launches most): the whole step, the proposer, queueing the
+    target's step (`launch`, of which `graph inputs` fill the graphs' buffers), the policy's
+    choice and learning, committing, and waiting for the step's tokens (the device's share
+    of the step, less what ran behind the host's work)."""
+    targets = [("step", engine, "step"), ("launch", engine.runner, "launch"),
+               ("choose", engine.scheduler, "_draft_lens"), ("observe", engine, "_observe_last"),
+               ("commit", engine.scheduler, "commit"), ("wait", PendingStep, "result")]
     graph_sets = [engine.runner.graphs]
     if engine.proposer is not None:
         targets.append(("propose", engine.proposer, "propose"))
         graph_sets += [getattr(engine.proposer, name, None) for name in ("catch_up_graphs", "draft_graphs")]
-    targets += [("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None]
-    with timing(*targets) as calls:
-        llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
-    steps = len(calls["step"])
+    return timing(*targets, *(("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None))
+
+
+def per_step_us(calls) -> dict:
+    """Microseconds per step in each phase timed by `phase_timing`."""
+    steps = max(len(calls["step"]), 1)
     return {label: 1e6 * sum(times) / steps for label, times in calls.items()}
+
+
+def host_phases(llm, prompts, new_tokens):
+    """Host time per step in the engine's phases while `prompts` decode: where a host-bound
+    step goes."""
+    with phase_timing(llm.engine) as calls:
+        llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
+    return per_step_us(calls)
 
 
 def where_time_goes(llm, prompts, steps=24):

@@ -28,8 +28,8 @@ acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; 
 on local disk during the run, then copied), and the same lines for the other policies
 ($OUT/steps_a*.jsonl, with the policy and load named), so that a cell's time can be taken
 apart step by step for every policy alike. Each cell also records the host time per step in
-the engine's phases (`phase_means`: whether a policy's own host work lands on the step's
-critical path). Prints the table last.
+the engine's phases (`gpu_fastpath.phase_timing`: whether a policy's own host work lands on
+the step's critical path). Prints the table last.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_fastpath import LLAMA_8B, SMOKE, random_prompts, free_memory, timing, write_eagle_dir, write_model_dir
+from gpu_fastpath import (LLAMA_8B, SMOKE, free_memory, per_step_us, phase_timing, random_prompts, write_eagle_dir,
+                          write_model_dir)
 from tidal import LLM, SamplingParams
-from tidal.runner import PendingStep
 from tidal.spec.policy import Fixed, Off
 
 
@@ -119,22 +119,6 @@ def requests_for(clients: int) -> int:
     return 4 * clients + 2 if clients <= 70 else 2 * clients + 1
 
 
-def host_phases(engine):
-    """Times the engine's host phases of every step (see `phase_means`)."""
-    return timing(("step", engine, "step"), ("propose", engine.proposer, "propose"),
-                  ("launch", engine.runner, "launch"), ("choose", engine.scheduler, "_draft_lens"),
-                  ("observe", engine, "_observe_last"), ("commit", engine.scheduler, "commit"),
-                  ("wait", PendingStep, "result"))
-
-
-def phase_means(calls) -> dict:
-    """Host microseconds per step in each phase: the whole step, the proposer, queueing the
-    target's step (`launch`), the policy's choice and learning, committing, and waiting for
-    the step's tokens (the device's share of the step, less what ran behind the host)."""
-    steps = max(len(calls["step"]), 1)
-    return {label: 1e6 * sum(times) / steps for label, times in calls.items()}
-
-
 def rate(run):
     """A cell's figure: the steady state of a single phase, the whole of a bursty load."""
     return run["steady_tok_s"] or run["tok_s"]
@@ -189,9 +173,9 @@ def main():
                     for load, phases in loads.items():
                         if name in logged:
                             logged[name].load = load
-                        with host_phases(llm.engine) as calls:
+                        with phase_timing(llm.engine) as calls:
                             r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
-                        r["host_us_per_step"] = phase_means(calls)
+                        r["host_us_per_step"] = per_step_us(calls)
                         results["runs"].setdefault(f"a={acc} {name} {load}", []).append(r)
                         print(f"a={acc} {name:8} {load:6} {rate(r):9.0f} tok/s", flush=True)
             results[f"goodput_stats a={acc}"] = goodput.stats()

@@ -168,11 +168,10 @@ class PiecewiseGraphs:
         graphs, calls, out = self.pieces[batch.num_tokens]
         self.input_ids[:batch.num_tokens].copy_(batch.input_ids)
         attn_out = self.attn_out[:batch.num_tokens]
-        for graph, call in zip(graphs, calls + [None]):
+        graphs[0].replay()
+        for (q, k, v, kv_cache, scale, rotary), graph in zip(calls, graphs[1:]):
+            self.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=attn_out)
             graph.replay()
-            if call is not None:
-                q, k, v, kv_cache, scale, rotary = call
-                self.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=attn_out)
         if isinstance(out, tuple):
             return tuple(o[:num_tokens] for o in out)
         return out[:num_tokens]
