@@ -328,6 +328,21 @@ def test_advance_moves_each_row_to_its_next_position_until_its_limit():
     assert batch.positions.tolist() == [5, 4, 7]
 
 
+def test_move_back_puts_rows_where_they_really_are():
+    """A step planned ahead of a drafting one is built as if every draft were accepted,
+    then moved back on the device by the drafts rejected: it must equal the batch built at
+    the real positions, across page boundaries, with padding still storing nowhere."""
+    pages = [[3, 1, 4], [5, 2], [7, 6, 8]]
+    feeds, contexts, rejected = [[0, 0, 0], [0], [0, 0]], [5, 3, 8], [2, 0, 3]
+    batch = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=8)
+    batch.move_back(torch.tensor(rejected), PAGE_SIZE)
+    real = [c - r for c, r in zip(contexts, rejected)]
+    built = ForwardBatch.build(feeds, real, pages, PAGE_SIZE, "cpu", pad_tokens=8)
+    for field in ("positions", "seq_lens", "slot_mapping", "query_start_loc", "last_index"):
+        assert getattr(batch, field).tolist() == getattr(built, field).tolist(), field
+    assert batch.slot_mapping.tolist()[-2:] == [-1, -1]
+
+
 def test_graph_inputs_equal_the_built_batch():
     """A graph's inputs are filled from the host in three copies into a layout that depends
     on the graph's shape; what the graph reads must be the batch `ForwardBatch.build` makes,

@@ -149,6 +149,55 @@ def test_greedy_lossless_when_drafts_share_a_step_with_a_prompt_chunk(models, pl
     assert [len(t) for t in sampled] == [NEW_TOKENS] * len(plain) and any(shared)
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, monkeypatch):
+    """With async scheduling a step is planned and drafted for while the verification
+    before it runs, as if every draft there were accepted, and moved back on the device by
+    those rejected. Greedy outputs (ending by length and by a stop token) equal the
+    synchronous engine's, no page leaks, and the random-draw counters the device derives
+    for sampled rows, in the drafter and in verification, are each row's true output count.
+    (Sampled outputs themselves are not compared: planning ahead starts a request's drafting
+    one step later, and another K schedule draws other random numbers.)"""
+    prompts = repetitive_prompts()
+    probe = run(LLM(model=models["target"], page_size=4), prompts, greedy())[0]
+    params = [greedy(max_tokens=9), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=(probe[1][12],)),
+              greedy()]
+    outputs = {}
+    for overlap in (False, True):
+        llm = LLM(model=models["target"], page_size=4, async_scheduling=overlap,
+                  speculative_config=spec_config(models, method, 3))
+        launch, behind_drafts = llm.engine.runner.launch, []
+
+        def recording(plan, drafts=None, simulate_acceptance=None, ahead=None):
+            behind_drafts.append(ahead is not None and ahead.rejected is not None)
+            return launch(plan, drafts, simulate_acceptance, ahead)
+
+        llm.engine.runner.launch = recording
+        outputs[overlap] = run(llm, prompts[:3], params)[0]
+        assert any(behind_drafts) == overlap, "want steps planned ahead of drafting ones"
+    assert outputs[True] == outputs[False] == [probe[0][:9], probe[1][:13], probe[2]]
+
+    seen = {"verify": [], "draft": [], "true": []}
+
+    def verify(logits, tokens, probs, ks, st, counters, **kwargs):
+        seen["verify"].append(counters.tolist())
+        return real_verify(logits, tokens, probs, ks, st, counters, **kwargs)
+
+    propose, commit = llm.engine.proposer._sample, llm.engine.scheduler.commit
+    monkeypatch.setattr(tidal.runner, "verify", verify)
+    monkeypatch.setattr(llm.engine.proposer, "_sample", lambda logits, st, counters, probs, rows, j: (
+        seen["draft"].append(counters.tolist()) if j == 0 else None, propose(logits, st, counters, probs, rows, j))[1])
+    monkeypatch.setattr(llm.engine.scheduler, "commit", lambda plan, result, in_flight=None: (
+        seen["true"].append((plan.draft_lens[:], [r.num_output_tokens for r in plan.requests])),
+        commit(plan, result, in_flight))[1])
+    sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in range(3)]
+    run(llm, prompts[:3], sampled)
+    drafting = [(ks, true) for ks, true in seen["true"] if any(ks)]
+    assert seen["verify"] == [true for _, true in drafting]
+    assert seen["draft"] == [[n for n, k in zip(true, ks) if k] for ks, true in drafting]
+    assert any(behind_drafts[-len(seen["true"]):])
+
+
 def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):
     llm = LLM(model=models["target"], page_size=4,
               speculative_config=spec_config(models, "draft_model", 4, policy="off"))
@@ -258,8 +307,8 @@ def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_misplace
     assert spec.engine.stats()["spec"]["acceptance_per_position"][1] > 0, "want rows verifying 2+ drafts"
     propose = spec.engine.proposer.propose
     for misplace in (lambda probs: probs.roll(1, 0), lambda probs: probs.roll(1, 1)):
-        def misplaced(plan, rows, misplace=misplace):
-            drafts = propose(plan, rows)
+        def misplaced(plan, rows, ahead=None, misplace=misplace):
+            drafts = propose(plan, rows, ahead)
             return Drafts(drafts.tokens, drafts.lens, misplace(drafts.probs))
 
         spec.engine.proposer.propose = misplaced

@@ -171,7 +171,8 @@ def test_store_skips_negative_slots():
     v = torch.randn(5, 3, 64, generator=gen)
     slots = torch.tensor([17, -1, 95, 0, -1])
     batch = ForwardBatch(torch.zeros(5, dtype=torch.long), torch.arange(5), torch.tensor([0, 5], dtype=torch.int32),
-                         torch.tensor([5], dtype=torch.int32), torch.zeros(1, 6, dtype=torch.int32), slots, 5, 5)
+                         torch.tensor([5], dtype=torch.int32), torch.tensor([4], dtype=torch.int32),
+                         torch.zeros(1, 6, dtype=torch.int32), slots, 5, 5)
     want = expected_cache(cache, k, v, slots)
     assert torch.equal(rotate_and_store(q, k, v, cache, batch, None), q)
     assert torch.equal(cache, want)

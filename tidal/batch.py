@@ -30,6 +30,7 @@ class ForwardBatch:
     positions: torch.Tensor        # [T] int64, position of each query token in its sequence
     query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query lengths (query_start_loc[0] = 0)
     seq_lens: torch.Tensor         # [B] int32, context length including this step's tokens
+    last_index: torch.Tensor       # [B] int32, each request's last real query token (its logits row)
     page_table: torch.Tensor       # [B, max_pages] int32, page ids of each request (padded with 0)
     slot_mapping: torch.Tensor     # [T] int64, KV slot (page * page_size + offset) per token; -1 = skip
     max_query_len: int             # host copies of the maxima, so kernels pick grids without a sync
@@ -60,8 +61,8 @@ class ForwardBatch:
                          pad_tokens=pad_tokens)
         buffer = host.buffer.to(device, non_blocking=True)
         ids, positions, slots = token_fields(host.tokens(buffer), host.num_tokens)
-        query_start_loc, seq_lens = row_fields(host.rows(buffer), host.num_seqs)
-        return ForwardBatch(ids, positions, query_start_loc, seq_lens, host.page_table(buffer), slots,
+        query_start_loc, seq_lens, last_index = row_fields(host.rows(buffer), host.num_seqs)
+        return ForwardBatch(ids, positions, query_start_loc, seq_lens, last_index, host.page_table(buffer), slots,
                             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len)
 
     def advance(self, limits: torch.Tensor, page_size: int) -> None:
@@ -75,6 +76,22 @@ class ForwardBatch:
         pages = self.page_table.gather(1, (self.positions // page_size).unsqueeze(1)).squeeze(1)
         self.slot_mapping.copy_(torch.where(step, pages * page_size + self.positions % page_size, -1))
 
+    def move_back(self, rejected: torch.Tensor, page_size: int) -> None:
+        """Move request i's tokens `rejected[i]` positions back (a device tensor: the drafts
+        the step before rejected). A step planned ahead of a drafting one is built as if
+        every draft there were accepted; this puts its rows where they really are, without
+        the host. Tokens that store nowhere still store nowhere."""
+        n = rejected.shape[0]
+        token = torch.arange(self.num_tokens, dtype=torch.int32, device=rejected.device)
+        rows = torch.searchsorted(self.query_start_loc[1:n + 1], token, right=True)
+        real = rows < n
+        rows = rows.clamp(max=n - 1)
+        self.positions.sub_(torch.where(real, rejected[rows], 0))
+        self.seq_lens[:n].sub_(rejected.to(self.seq_lens.dtype))
+        pages = self.page_table[rows, self.positions // page_size]
+        self.slot_mapping.copy_(torch.where(real & (self.slot_mapping >= 0),
+                                            pages * page_size + self.positions % page_size, -1))
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
@@ -82,8 +99,8 @@ def _round_up(n: int, multiple: int) -> int:
 
 class HostBatch:
     """A batch's index data packed in one host buffer (pinned when it goes to a CUDA device):
-    input ids, positions and slots (int64), then query_start_loc and seq_lens (int32), then
-    the page tables (int32). Every field starts 16-byte aligned, so kernels see one pointer
+    input ids, positions and slots (int64), then query_start_loc, seq_lens and last_index
+    (int32), then the page tables (int32). Every field starts 16-byte aligned, so kernels see one pointer
     alignment whatever the batch. The same views read the buffer or its copy on the device.
 
     Padding (for a captured graph) adds requests with no tokens, and tokens that belong to
@@ -119,7 +136,10 @@ class HostBatch:
         rows32 = array[8 * tokens_len:].view(np.int32)
         extra = b - len(seq_lens)
         rows32[:b + 1] = starts + [starts[-1]] * extra
-        rows32[self.row_stride(b):self.row_stride(b) + b] = seq_lens + [0] * extra
+        stride = self.row_stride(b)
+        rows32[stride:stride + b] = seq_lens + [0] * extra
+        last = stride + _round_up(b, 4)
+        rows32[last:last + b] = [end - 1 for end in starts[1:]] + [max(starts[-1] - 1, 0)] * extra
         width = self.table_shape[1]
         rows32[rows_len:] = [page for p in page_tables for page in p + [0] * (width - len(p))]
         self.tokens_len, self.rows_len = tokens_len, rows_len
@@ -138,14 +158,14 @@ class HostBatch:
 
     @staticmethod
     def rows_len_for(num_seqs: int) -> int:
-        return HostBatch.row_stride(num_seqs) + _round_up(num_seqs, 4)
+        return HostBatch.row_stride(num_seqs) + 2 * _round_up(num_seqs, 4)
 
     def tokens(self, buffer: torch.Tensor) -> torch.Tensor:
         """Input ids, positions and slots, back to back (int64)."""
         return buffer[:8 * self.tokens_len].view(torch.int64)
 
     def rows(self, buffer: torch.Tensor) -> torch.Tensor:
-        """query_start_loc, then seq_lens (int32)."""
+        """query_start_loc, seq_lens, then last_index (int32)."""
         start = 8 * self.tokens_len
         return buffer[start:start + 4 * self.rows_len].view(torch.int32)
 
@@ -159,7 +179,22 @@ def token_fields(tokens: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, t
     return tokens[:num_tokens], tokens[stride:stride + num_tokens], tokens[2 * stride:2 * stride + num_tokens]
 
 
-def row_fields(rows: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """query_start_loc and seq_lens: views of int32 data laid out as `HostBatch.rows`."""
+def row_fields(rows: torch.Tensor, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query_start_loc, seq_lens and last_index: views of int32 data laid out as `HostBatch.rows`."""
     stride = HostBatch.row_stride(num_seqs)
-    return rows[:num_seqs + 1], rows[stride:stride + num_seqs]
+    last = stride + _round_up(num_seqs, 4)
+    return rows[:num_seqs + 1], rows[stride:stride + num_seqs], rows[last:last + num_seqs]
+
+
+def with_device_tails(feeds: list[list[int]], counts: list[int], source: torch.Tensor) -> torch.Tensor:
+    """The feeds' tokens, flat, on `source`'s device, with the last counts[i] of feed i taken
+    from source[i, :counts[i]] (tokens only the device knows: drafts, or those a step still
+    in flight samples); the feeds hold placeholders there."""
+    flat, dst, src = [t for feed in feeds for t in feed], [], []
+    end, width = 0, source.shape[1]
+    for i, (feed, k) in enumerate(zip(feeds, counts)):
+        end += len(feed)
+        dst += range(end - k, end)
+        src += range(i * width, i * width + k)
+    ids, dst, src = to_device(flat + dst + src, torch.int64, source.device).split([len(flat), len(dst), len(src)])
+    return ids.index_copy(0, dst, source.reshape(-1)[src])

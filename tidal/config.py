@@ -150,7 +150,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None = "triton" on cuda, "torch" on cpu
     enforce_eager: bool = False           # cuda: no CUDA graphs (debugging)
-    async_scheduling: bool = True         # queue the next step behind one whose rows each commit one token
+    async_scheduling: bool = True         # queue the next step behind one whose rows all sample
     load_format: str = "safetensors"      # "dummy": random weights from config.json (speed runs)
     seed: int = 0
     speculative_config: SpecConfig | None = field(default=None)

@@ -115,22 +115,25 @@ class LLMEngine:
         """One forward step. Returns an output (with the text delta) for every request
         that finished, and for every streaming one that committed tokens.
 
-        Async scheduling: while a step that commits one token per row runs on the device
-        (plain decodes, prompts' last chunks), the next step is planned and queued behind it,
-        feeding the tokens this one samples straight from the device; the host then commits
-        this step while the device runs the next one. A next step that drafts waits for this
-        step's tokens (its proposer reads them); the policy still chooses its K meanwhile."""
+        Async scheduling: while a step whose rows all sample runs on the device (decodes,
+        verifications, prompts' last chunks), the next step is planned, drafted for and
+        queued behind it. Its rows feed the tokens this one commits, straight from the
+        device; they are planned as if every draft were accepted and moved back on the
+        device by those rejected (`Ahead`). The host then commits this step while the device
+        runs the next one. A proposer that reads tokens on the host (n-gram) cannot draft
+        ahead: its drafting steps wait for the tokens before them."""
         step = self.in_flight or self._launch(self._next_plan())
         self.in_flight = None
         if step is None:
             return []
         self._observe_last()  # while the device runs this step: learn from the last, plan the next
         ahead = None
-        if self.config.async_scheduling and step.plan.commits_one_token_each:
+        drafts_ahead = self.proposer is None or self.proposer.drafts_ahead
+        if self.config.async_scheduling and step.plan.samples_every_row and (drafts_ahead or not step.plan.max_draft_len):
             ahead = self.scheduler.schedule_ahead(step.plan)
         if ahead is None:
             self.scheduler.choose_ahead(step.plan)
-        elif ahead.max_draft_len == 0:
+        elif drafts_ahead or ahead.max_draft_len == 0:
             self.in_flight = self._launch(ahead, after=step)
             self.num_steps_ahead += 1
         else:
@@ -141,7 +144,7 @@ class LLMEngine:
         # step's tokens came back at last_ready while the engine was busy).
         self.unobserved = (step.plan, result, now - (self.last_ready or step.started))
         ended = [req.finished for req in step.plan.requests]  # before this step (their rows are dropped)
-        self.scheduler.commit(step.plan, result)
+        self.scheduler.commit(step.plan, result, self.in_flight.plan if self.in_flight else None)
         self.num_steps += 1
         outputs = []
         accept_lens = result.accept_lens.tolist()
@@ -166,17 +169,19 @@ class LLMEngine:
         return plan.unfinished() if plan is not None else self.scheduler.schedule()
 
     def _launch(self, plan: StepPlan, after: PendingStep | None = None) -> PendingStep | None:
-        """Propose for the rows that draft, then queue the step on the device."""
+        """Propose for the rows that draft, then queue the step on the device (behind
+        `after`, still in flight, when the plan was made ahead of it)."""
         if not plan.requests:
             return None
         started = time.perf_counter()
+        ahead = after.ahead_for(plan.requests) if after else None
         drafts = None
         rows = [i for i, k in enumerate(plan.draft_lens) if k > 0]
         if rows:
-            drafts = self.proposer.propose(plan, rows)
+            drafts = self.proposer.propose(plan, rows, ahead)
             plan.draft_lens = drafts.lens
         spec = self.config.speculative_config
-        step = self.runner.launch(plan, drafts, spec.simulate_acceptance if spec else None, after)
+        step = self.runner.launch(plan, drafts, spec.simulate_acceptance if spec else None, ahead)
         step.started = started
         return step
 

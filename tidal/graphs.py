@@ -46,8 +46,8 @@ class CudaGraphs:
 
     def view(self, b: int, w: int) -> ForwardBatch:
         ids, positions, slots = token_fields(self.tokens, b * w)
-        query_start_loc, seq_lens = row_fields(self.rows, b)
-        return ForwardBatch(ids, positions, query_start_loc, seq_lens, self.page_table[:b], slots,
+        query_start_loc, seq_lens, last_index = row_fields(self.rows, b)
+        return ForwardBatch(ids, positions, query_start_loc, seq_lens, last_index, self.page_table[:b], slots,
                             max_query_len=w, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
@@ -63,6 +63,7 @@ class CudaGraphs:
                 batch.slot_mapping.fill_(-1)
                 batch.query_start_loc.copy_(torch.arange(0, b * w + 1, w, dtype=torch.int32))
                 batch.seq_lens.fill_(w)
+                batch.last_index.copy_(torch.arange(w - 1, b * w, w, dtype=torch.int32))
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self.forward(batch, state)  # compile and warm up
@@ -78,9 +79,11 @@ class CudaGraphs:
         return num_seqs <= self.buckets[-1] and width <= self.widths[-1]
 
     def load(self, feeds: list[list[int]], context_lens: list[int], page_tables: list[list[int]], width: int,
-             state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None) -> tuple[int, int]:
+             state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+             rejected: torch.Tensor | None = None) -> tuple[int, int]:
         """Fill the inputs of the graph for these rows (`input_ids` on the device, if given,
-        replace the fed tokens). Returns that graph's key."""
+        replace the fed tokens; `rejected` moves rows back, `ForwardBatch.move_back`).
+        Returns that graph's key."""
         b = next(size for size in self.buckets if size >= len(feeds))
         host = HostBatch(feeds, context_lens, page_tables, self.page_size, pin=self.device.type == "cuda",
                          pad_seqs=b, pad_tokens=b * width)
@@ -93,6 +96,8 @@ class CudaGraphs:
             self.tokens[:num_tokens].copy_(input_ids)  # input ids come first in every layout
         if state is not None:
             self.state[:num_tokens].copy_(state)
+        if rejected is not None:
+            self.inputs((b, width)).move_back(rejected, self.page_size)
         return b, width
 
     def inputs(self, key: tuple[int, int]) -> ForwardBatch:
@@ -110,9 +115,10 @@ class CudaGraphs:
         return out[:n], batch.slot_mapping[:num_tokens]
 
     def run(self, feeds: list[list[int]], context_lens: list[int], page_tables: list[list[int]], width: int,
-            state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None):
+            state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+            rejected: torch.Tensor | None = None):
         """`load`, then `replay`."""
-        key = self.load(feeds, context_lens, page_tables, width, state, input_ids)
+        key = self.load(feeds, context_lens, page_tables, width, state, input_ids, rejected)
         return self.replay(key, sum(len(f) for f in feeds), len(feeds))
 
 

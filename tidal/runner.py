@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from tidal.attention import get_backend
-from tidal.batch import ForwardBatch, to_device
+from tidal.batch import ForwardBatch, to_device, with_device_tails
 from tidal.config import DTYPES, EngineConfig
 from tidal.graphs import CudaGraphs, PiecewiseGraphs
 from tidal.kv_cache import NULL_PAGE
@@ -20,7 +20,7 @@ from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
 from tidal.spec.verify import verify
-from tidal.step import Drafts, StepPlan, StepResult
+from tidal.step import Ahead, Drafts, StepPlan, StepResult
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -132,35 +132,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, drafts: Drafts | None = None, simulate_acceptance: float | None = None,
-               after: PendingStep | None = None) -> PendingStep:
+               ahead: Ahead | None = None) -> PendingStep:
         """Queue one step on the device; its `result()` waits for it. `drafts` holds what the
-        proposer drafted for the rows with K_i > 0, still on the device. With `after` (a step
-        still in flight that commits one token per row), the plan was made ahead of it: each
-        request is further than its state says by the tokens its row there computes and the
-        one it samples, which it feeds, taken on the device."""
+        proposer drafted for the rows with K_i > 0, still on the device. With `ahead`, the
+        plan was made while the step before was still in flight (`Ahead`): each row feeds
+        the last token that step commits for it, taken on the device, and is built as if
+        every draft there were accepted, then moved back on the device by those rejected."""
         reqs = plan.requests
-        computed = after.computed_for(reqs) if after else [0] * len(reqs)
+        computed = ahead.computed if ahead else [0] * len(reqs)
         feeds = []
         for i, req in enumerate(reqs):
             start = req.num_computed
-            feed = [0] if after else req.token_ids[start:start + plan.num_new_tokens[i]]
+            feed = [0] if ahead else req.token_ids[start:start + plan.num_new_tokens[i]]
             feeds.append(feed + [0] * plan.draft_lens[i])  # drafts are written on the device
-        if after:
-            input_ids = after.sampled_for(reqs)
-        else:
-            input_ids = self._with_drafts(feeds, plan.draft_lens, drafts.tokens) if plan.max_draft_len else None
+        input_ids = None
+        if ahead and not plan.max_draft_len:
+            input_ids = ahead.last
+        elif ahead:
+            input_ids = with_device_tails(feeds, [1 + k for k in plan.draft_lens],
+                                          torch.cat([ahead.last[:, None], drafts.tokens], dim=1))
+        elif plan.max_draft_len:
+            input_ids = with_device_tails(feeds, plan.draft_lens, drafts.tokens)
+        rejected = ahead.rejected if ahead else None
         width = 1 + plan.max_draft_len
-        rows = [i for i in range(len(reqs)) if after or plan.samples(i)]
+        rows = [i for i in range(len(reqs)) if ahead or plan.samples(i)]
         contexts, pages = [r.num_computed + n for r, n in zip(reqs, computed)], [r.pages for r in reqs]
         decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
         if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
-            out, slot_mapping = self.graphs.run(feeds, contexts, pages, width, input_ids=input_ids)
+            out, slot_mapping = self.graphs.run(feeds, contexts, pages, width, input_ids=input_ids, rejected=rejected)
         else:
             num_tokens = sum(len(f) for f in feeds)
             bucket = self.pieces.bucket(num_tokens) if self.pieces is not None else None
             batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device, pad_tokens=bucket or 0)
             if input_ids is not None:
                 batch.input_ids[:num_tokens].copy_(input_ids)
+            if rejected is not None:
+                batch.move_back(rejected, self.page_size)
             if bucket is None:
                 out = self.model(batch.input_ids, batch, self.kv_caches)
             else:
@@ -185,12 +192,15 @@ class ModelRunner:
                 ends = list(itertools.accumulate(len(f) for f in feeds))
                 logit_index = [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i])
                              for i in rows for j in range(width)]
-            counters = [r.num_output_tokens + int(after is not None) for r in sampled]
+            commits = ahead.commits if ahead else [0] * len(reqs)
+            counters = [reqs[i].num_output_tokens + commits[i] for i in rows]
             ks = [plan.draft_lens[i] for i in rows] if width > 1 else []
             subset = rows if width > 1 and len(rows) < len(reqs) else []
             logit_index, counters, ks, subset = to_device(logit_index + counters + ks + subset, torch.int64,
                                                           self.device).split([len(logit_index), len(counters),
                                                                               len(ks), len(subset)])
+            if rejected is not None:
+                counters = counters - rejected
             last = hidden if every_token else hidden[logit_index]
             logits = self.model.compute_logits(last).view(len(rows), width, -1)
             st = self.sampling_tensors(sampled)
@@ -202,9 +212,9 @@ class ModelRunner:
                 probs = None if drafts.probs is None else drafts.probs[:, :width - 1]
                 if len(subset):
                     tokens, probs = tokens[subset], None if probs is None else probs[subset]
-                step.tokens, accepted = verify(logits, tokens, probs, ks, st, counters,
-                                               simulate_acceptance=simulate_acceptance)
-                out = torch.cat([step.tokens, accepted[:, None]], dim=1)
+                step.tokens, step.accepted = verify(logits, tokens, probs, ks, st, counters,
+                                                    simulate_acceptance=simulate_acceptance)
+                out = torch.cat([step.tokens, step.accepted[:, None]], dim=1)
             wanted = [r.params.logprobs for r in sampled]
             if any(n is not None for n in wanted):
                 b, w, v = logits.shape
@@ -212,18 +222,6 @@ class ModelRunner:
                                                           max(n or 0 for n in wanted)))
             step.copy_to_host(out)
         return step
-
-    def _with_drafts(self, feeds: list[list[int]], draft_lens: list[int], drafts: torch.Tensor) -> torch.Tensor:
-        """The step's input tokens on the device: each row's own tokens, then its drafts
-        (`drafts` [B, Kmax]) in place of the zeros `feeds` hold for them."""
-        flat, dst, src = [t for feed in feeds for t in feed], [], []
-        end, width = 0, drafts.shape[1]
-        for i, (feed, k) in enumerate(zip(feeds, draft_lens)):
-            end += len(feed)
-            dst += range(end - k, end)
-            src += range(i * width, i * width + k)
-        ids, dst, src = to_device(flat + dst + src, torch.int64, self.device).split([len(flat), len(dst), len(src)])
-        return ids.index_copy(0, dst, drafts.reshape(-1)[src])
 
 
 class PendingStep:
@@ -235,6 +233,7 @@ class PendingStep:
         self.rows = rows            # plan rows that sample
         self.width = width
         self.tokens: torch.Tensor | None = None  # [len(rows), W] on the device
+        self.accepted: torch.Tensor | None = None  # [len(rows)] on the device, when verifying
         self.logprobs = None        # (logprobs wanted per sampled row, their device tensors)
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
@@ -250,19 +249,25 @@ class PendingStep:
         else:
             self.host = out
 
-    def computed_for(self, reqs: list) -> list[int]:
-        """Tokens this step computes for each of `reqs` (whose state does not show them yet)."""
-        fed = {id(r): n for r, n in zip(self.plan.requests, self.plan.num_new_tokens)}
-        return [fed[id(r)] for r in reqs]
-
-    def sampled_for(self, reqs: list) -> torch.Tensor:
-        """The token this step samples for each of `reqs` (one per row), on the device: what a
-        step queued behind it feeds."""
-        own = self.plan.requests
-        if len(reqs) == len(own) and all(a is b for a, b in zip(reqs, own)):
-            return self.tokens[:, 0]
-        row = {id(r): i for i, r in enumerate(own)}
-        return self.tokens[to_device([row[id(r)] for r in reqs], torch.int64, self.tokens.device), 0]
+    def ahead_for(self, reqs: list) -> Ahead:
+        """What a step planned for `reqs` (rows of this step, every one of which samples)
+        while this one is in flight takes from it."""
+        own = self.plan
+        assert len(self.rows) == len(own.requests), "a step planned ahead follows one whose rows all sample"
+        row = {id(r): i for i, r in enumerate(own.requests)}
+        index = [row[id(r)] for r in reqs]
+        ks = [own.draft_lens[i] for i in index]
+        tokens, accepted = self.tokens, self.accepted
+        if index != list(range(len(own.requests))):
+            index_t = to_device(index, torch.int64, tokens.device)
+            tokens = tokens[index_t]
+            accepted = None if accepted is None else accepted[index_t]
+        computed = [own.num_new_tokens[i] + k for i, k in zip(index, ks)]
+        if accepted is None:
+            return Ahead(computed, [1] * len(reqs), tokens, tokens[:, 0], None)
+        commits = [1 + k for k in ks]
+        last = tokens.gather(1, (accepted - 1)[:, None])[:, 0]
+        return Ahead(computed, commits, tokens, last, to_device(commits, torch.int64, tokens.device) - accepted)
 
     def result(self) -> StepResult:
         b = len(self.plan.requests)

@@ -139,36 +139,40 @@ class Scheduler:
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next step's plan, made while `plan` (every running request, each committing
-        one token) is still on the device (async scheduling), or None where its outcome could
-        change the next plan: requests wait to be admitted, or pages would have to be taken back.
+        1 to 1 + K_i tokens) is still on the device (async scheduling), or None where its
+        outcome could change the next plan: requests wait to be admitted, or pages would have
+        to be taken back.
 
-        Each request is planned as if this step's tokens were in its state (its row's tokens
-        computed, one more known). Those that surely end with this token (their length limits)
-        are left out; one that ends otherwise (EOS, a stop string, an abort) has its row
-        computed and dropped at commit. Nothing is preempted, so no request loses pages a step
-        in flight writes to. Requests whose prompt ends in this step do not draft yet (as in
-        choose_ahead)."""
+        Each request is planned as if this step's tokens were in its state, every draft
+        accepted (its row's tokens computed, 1 + K_i more known): its pages cover that, and the
+        device moves it back by the drafts rejected (`Ahead`). Those that surely end in this
+        step (their length limits), or might run past `max_model_len`, are left out; one that
+        ends otherwise (EOS, a stop string, an abort, accepted tokens reaching max_tokens) has
+        its row computed and dropped at commit. Nothing is preempted, so no request loses
+        pages a step in flight writes to. Requests whose prompt ends in this step do not
+        draft yet (as in choose_ahead)."""
         running = [r for r in plan.requests if not r.finished]
         if self.waiting or len(running) != len(self.running) or \
                 any(a is not b for a, b in zip(running, self.running)):
             return None
-        fed = dict(zip(plan.requests, plan.num_new_tokens))
+        new = dict(zip(plan.requests, plan.num_new_tokens))
+        commits = {r: 1 + k for r, k in zip(plan.requests, plan.draft_lens)}
         reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens
-                and r.num_tokens + 1 < self.max_model_len]
+                and r.num_tokens + commits[r] < self.max_model_len]
         ps = self.pool.page_size
         # Where each request's next token goes; pages each needs for it, and more for its drafts.
-        ends = [r.num_computed + fed[r] + 1 for r in reqs]
-        needs = [pages_for(end, ps) - len(r.pages) for r, end in zip(reqs, ends)]
+        ends = [r.num_computed + new[r] + commits[r] for r in reqs]
+        needs = [max(pages_for(end, ps) - len(r.pages), 0) for r, end in zip(reqs, ends)]
         spare = self.pool.num_free - sum(needs)
         if not reqs or spare < 0:
             return None
-        decoding = [r for r in reqs if fed[r] == 1]
-        draft_lens, choice = self._draft_lens(decoding, [1] * len(decoding))
+        decoding = [r for r in reqs if new[r] == 1]
+        draft_lens, choice = self._draft_lens(decoding, [commits[r] for r in decoding])
         budget = self.max_num_batched_tokens - len(reqs)
         ks = []
         for req, end, need in zip(reqs, ends, needs):
             k = min(draft_lens.get(req.request_id, 0), budget)
-            extra = pages_for(end + k, ps) - len(req.pages) - need if k else 0
+            extra = max(pages_for(end + k, ps) - len(req.pages) - need, 0) if k else 0
             if extra > spare:
                 k, extra = 0, 0
             req.pages += self.pool.allocate(need + extra) if need + extra > 0 else []
@@ -220,8 +224,10 @@ class Scheduler:
 
     # -- committing ----------------------------------------------------------------------
 
-    def commit(self, plan: StepPlan, result: StepResult) -> list[Request]:
-        """Append each row's accepted tokens; returns the requests that finished."""
+    def commit(self, plan: StepPlan, result: StepResult, in_flight: StepPlan | None = None) -> list[Request]:
+        """Append each row's accepted tokens; returns the requests that finished.
+        `in_flight` is a step planned ahead of this one, already on the device."""
+        ahead = set(in_flight.requests) if in_flight is not None else ()
         finished = []
         tokens = result.token_ids.tolist()
         accept_lens = result.accept_lens.tolist()
@@ -245,9 +251,9 @@ class Scheduler:
                 self._release(req)
                 finished.append(req)
                 continue
-            # Pages that held only rejected drafts go back to the pool (not those of a
-            # plain row, which a step planned ahead may already use).
-            if k:
+            # Pages that held only rejected drafts go back to the pool, unless the step in
+            # flight uses them (that step's own commit frees what it leaves).
+            if k and req not in ahead:
                 keep = pages_for(req.num_computed, self.pool.page_size)
                 self.pool.free(req.pages[keep:])
                 del req.pages[keep:]

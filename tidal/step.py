@@ -32,11 +32,11 @@ class StepPlan:
         return max(self.draft_lens, default=0)
 
     @property
-    def commits_one_token_each(self) -> bool:
-        """Every row reaches the end of its known tokens (a decode, or a prompt's last chunk)
-        and drafts nothing: each commits exactly one token, so the next step can be planned
-        before this one's tokens are known."""
-        return not any(self.draft_lens) and all(self.samples(i) for i in range(len(self.requests)))
+    def samples_every_row(self) -> bool:
+        """Every row reaches the end of its known tokens (a decode, or a prompt's last chunk):
+        each commits 1 to 1 + K_i tokens, so the next step can be planned before this one's
+        tokens are known."""
+        return all(self.samples(i) for i in range(len(self.requests)))
 
     def unfinished(self) -> "StepPlan":
         """The rows whose request still runs (a plan made ahead may hold one that ended since)."""
@@ -62,3 +62,16 @@ class Drafts:
     tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
     lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
     probs: torch.Tensor | None = None  # [B, Kmax, V] the drafter's distributions; None for a deterministic one
+
+
+@dataclass
+class Ahead:
+    """What a step planned while the one before was still in flight takes from that one,
+    per row of its own plan. The host plans as if every draft there were accepted (so pages
+    and positions are taken for the most a row can commit); the device knows how many were."""
+
+    computed: list[int]      # tokens the step before computes for the row, if every draft is accepted
+    commits: list[int]       # tokens it commits for the row, if every draft is accepted (1 + K)
+    tokens: torch.Tensor     # [n, W] on the device: the tokens it commits, valid up to the accepted count
+    last: torch.Tensor       # [n] on the device: the last of them, which the row feeds next
+    rejected: torch.Tensor | None  # [n] on the device: commits less those really committed (None: no drafts)

@@ -33,15 +33,18 @@ class DraftModelProposer(ChainDrafter):
     def allocate_cache(self) -> None:
         self.kv_caches = self.runner.allocate_kv(self.config, self.runner.num_pages)
 
-    def catch_up(self, reqs):
-        return [r.token_ids[r.num_absorbed:] for r in reqs], [r.num_absorbed for r in reqs], None
+    def catch_up(self, reqs, pending):
+        # A commit still to come may have raised num_absorbed past num_computed, which is
+        # where the drafter's trusted KV ends.
+        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
+        return [r.token_ids[s:] + [0] * n for r, s, n in zip(reqs, starts, pending)], starts, None
 
-    def next_position(self, req, j):
-        return req.num_tokens + j - 1
+    def next_position(self, req, j, pending):
+        return req.num_tokens + pending + j - 1
 
     def forward(self, batch, state):
         hidden = self.model(batch.input_ids, batch, self.kv_caches)
-        return self.model.compute_logits(hidden[batch.query_start_loc[1:].long() - 1]), None
+        return self.model.compute_logits(hidden[batch.last_index]), None
 
-    def absorbed(self, req, k):
-        return req.num_tokens + k - 1
+    def absorbed(self, req, k, pending):
+        return req.num_tokens + pending + k - 1

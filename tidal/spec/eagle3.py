@@ -36,19 +36,23 @@ class Eagle3Proposer(ChainDrafter):
     def allocate_cache(self) -> None:
         self.kv_cache, = self.runner.allocate_kv(self.config.model, self.runner.num_pages)
 
-    def catch_up(self, reqs):
-        # Positions num_absorbed .. n - 2 take token p + 1 and the target's state at p.
+    def catch_up(self, reqs, pending):
+        # Positions num_absorbed .. n - 2 take token p + 1 and the target's state at p (n
+        # counting the pending tokens; a commit still to come may have raised num_absorbed
+        # past num_computed, which is where the drafter's trusted KV ends).
         ps = self.runner.page_size
-        slots = [r.pages[p // ps] * ps + p % ps for r in reqs for p in range(r.num_absorbed, r.num_tokens - 1)]
+        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
+        slots = [r.pages[p // ps] * ps + p % ps for r, s, n in zip(reqs, starts, pending)
+                 for p in range(s, r.num_tokens + n - 1)]
         state = self.runner.aux_cache[to_device(slots, torch.int64, self.runner.device)]
-        return [r.token_ids[r.num_absorbed + 1:] for r in reqs], [r.num_absorbed for r in reqs], state
+        return [r.token_ids[s + 1:] + [0] * n for r, s, n in zip(reqs, starts, pending)], starts, state
 
-    def next_position(self, req, j):
-        return req.num_tokens + j - 2
+    def next_position(self, req, j, pending):
+        return req.num_tokens + pending + j - 2
 
     def forward(self, batch, state):
         prenorm = self.head(batch.input_ids, state, batch, self.kv_cache)
-        last = prenorm[batch.query_start_loc[1:].long() - 1]
+        last = prenorm[batch.last_index]
         return self.head.compute_logits(last), last
 
     def state_width(self, catching_up):
@@ -60,6 +64,6 @@ class Eagle3Proposer(ChainDrafter):
     def scatter(self, probs, rows, j, q):
         probs[rows[:, None], j, self.draft_ids[None, :]] = q
 
-    def absorbed(self, req, k):
+    def absorbed(self, req, k, pending):
         # Draft positions were built from the head's own states, not the target's.
-        return req.num_tokens - 1
+        return req.num_tokens + pending - 1

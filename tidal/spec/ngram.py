@@ -11,6 +11,7 @@ from tidal.step import Drafts, StepPlan
 
 class NgramProposer:
     bytes_per_page = 0
+    drafts_ahead = False  # it reads each request's tokens on the host
 
     def __init__(self, min_n: int, max_n: int, device: torch.device):
         self.min_n = min_n
@@ -23,7 +24,7 @@ class NgramProposer:
     def warmup(self) -> None:
         pass
 
-    def propose(self, plan: StepPlan, rows: list[int]) -> Drafts:
+    def propose(self, plan: StepPlan, rows: list[int], ahead: None = None) -> Drafts:
         found = [[] for _ in plan.requests]
         for i in rows:
             found[i] = self.lookup(plan.requests[i].token_ids, plan.draft_lens[i])

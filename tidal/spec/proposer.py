@@ -19,14 +19,15 @@ from typing import Protocol
 
 import torch
 
-from tidal.batch import ForwardBatch, to_device
+from tidal.batch import ForwardBatch, to_device, with_device_tails
 from tidal.graphs import CudaGraphs
 from tidal.layers.sampler import STREAM_DRAFT, greedy_tokens, processed_probs, sample_from_probs
-from tidal.step import Drafts, StepPlan
+from tidal.step import Ahead, Drafts, StepPlan
 
 
 class Proposer(Protocol):
     bytes_per_page: int  # KV bytes the proposer keeps per target page (0 if stateless)
+    drafts_ahead: bool   # whether it can draft for a step planned while the one before is in flight
 
     def allocate_cache(self) -> None:
         """Allocate its cache once the runner has sized the page pool."""
@@ -36,15 +37,24 @@ class Proposer(Protocol):
         """Compile what it runs (GPU kernels) before the first request."""
         ...
 
-    def propose(self, plan: StepPlan, rows: list[int]) -> Drafts:
+    def propose(self, plan: StepPlan, rows: list[int], ahead: Ahead | None = None) -> Drafts:
+        """Drafts for plan rows `rows`; with `ahead`, the plan was made
+        while the step before was in flight, and the rows' last tokens are on the device."""
         ...
 
 
 class ChainDrafter(ABC):
     """The loop shared by model drafters: one batched extend that catches each request up
     (its last position's logits give draft 1), then one decode per further draft position.
-    Draft tokens stay on the device: the host never waits for the drafter."""
+    Draft tokens stay on the device: the host never waits for the drafter.
 
+    Planned ahead of a step in flight, a row is drafted for as if that step committed all
+    its `commits` tokens (`pending` below): the catch-up feeds them from the device, and
+    its logits are taken at the row's last real token; the draft steps start from where
+    the row really is (`ForwardBatch.move_back`). Drafter KV written for tokens not
+    committed lies past `num_absorbed` (the commit trims it), so it is never trusted."""
+
+    drafts_ahead = True
     catch_up_graphs: CudaGraphs | None = None
     draft_graphs: CudaGraphs | None = None
 
@@ -56,12 +66,14 @@ class ChainDrafter(ABC):
         self.limits = torch.zeros(runner.config.max_num_seqs, dtype=torch.int64, device=runner.device)
 
     @abstractmethod
-    def catch_up(self, reqs) -> tuple[list[list[int]], list[int], torch.Tensor | None]:
-        """Tokens to feed, the position of each row's first one, and the input state."""
+    def catch_up(self, reqs, pending: list[int]) -> tuple[list[list[int]], list[int], torch.Tensor | None]:
+        """Tokens to feed (the last pending[i] of row i are placeholders for tokens only the
+        device knows yet), the position of each row's first one, and the input state."""
 
     @abstractmethod
-    def next_position(self, req, j: int) -> int:
-        """Position of the token fed at draft step j >= 1 (j = 0: the catch-up's last)."""
+    def next_position(self, req, j: int, pending: int) -> int:
+        """Position of the token fed at draft step j >= 1 (j = 0: the catch-up's last), with
+        `pending` tokens beyond the request's state."""
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, state: torch.Tensor | None):
@@ -107,36 +119,48 @@ class ChainDrafter(ABC):
         probs[rows, j] = q
 
     @abstractmethod
-    def absorbed(self, req, k: int) -> int:
-        """Tokens of req whose drafter KV stays trustworthy after drafting k."""
+    def absorbed(self, req, k: int, pending: int) -> int:
+        """Tokens of req whose drafter KV stays trustworthy after drafting k (with `pending`
+        tokens beyond its state, if all are committed; the commit trims it if not)."""
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, rows: list[int]):
+    def propose(self, plan: StepPlan, rows: list[int], ahead: Ahead | None = None) -> Drafts:
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
+        pending = [ahead.commits[i] for i in rows] if ahead else [0] * len(rows)
         device = self.runner.device
         st = self.runner.sampling_tensors(reqs)
         # Per row, the position the draft steps stop before (for `_draft_steps`). Every entry
         # of `self.limits` is written: a graph's padding rows must find limit 0, or they would
         # move and store through page-table rows left from other steps.
-        limits = [self.next_position(r, k) for r, k in zip(reqs, ks)] if max(ks) > 1 else []
+        limits = [self.next_position(r, k, n) for r, k, n in zip(reqs, ks, pending)] if max(ks) > 1 else []
         padded = limits + [0] * (len(self.limits) - len(limits)) if limits else []
-        counters, rows_t, limits_t = to_device([r.num_output_tokens for r in reqs] + rows + padded, torch.int64,
-                                               device).split([len(reqs), len(rows), len(padded)])
+        counters, rows_t, limits_t = to_device([r.num_output_tokens + n for r, n in zip(reqs, pending)] + rows + padded,
+                                               torch.int64, device).split([len(reqs), len(rows), len(padded)])
+        rejected = None
+        if ahead and ahead.rejected is not None:
+            rejected = ahead.rejected if len(rows) == len(plan.requests) else ahead.rejected[rows_t]
+            counters = counters - rejected
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
         tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
         pages = [r.pages for r in reqs]
 
-        feeds, starts, state = self.catch_up(reqs)
-        logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state)
+        feeds, starts, state = self.catch_up(reqs, pending)
+        input_ids = None
+        if ahead:
+            source = ahead.tokens if len(rows) == len(plan.requests) else ahead.tokens[rows_t]
+            input_ids = with_device_tails(feeds, pending, source)
+        logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state, input_ids, rejected)
         tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
         if limits:
             self.limits.copy_(limits_t)
-            draft = self._draft_steps(reqs, max(limits), pages, state)
+            if rejected is not None:
+                self.limits[:len(reqs)].sub_(rejected)
+            draft = self._draft_steps(reqs, pending, max(limits), pages, state, rejected)
             for j in range(1, max(ks)):
                 tokens[:, j] = self._sample(draft(tokens[:, j - 1]), st, counters + j, probs, rows_t, j)
-        for r, k in zip(reqs, ks):
-            r.num_absorbed = self.absorbed(r, k)
+        for r, k, n in zip(reqs, ks, pending):
+            r.num_absorbed = self.absorbed(r, k, n)
         lens = [0] * len(plan.requests)
         for i, k in zip(rows, ks):
             lens[i] = k
@@ -145,15 +169,24 @@ class ChainDrafter(ABC):
                 0, rows_t, tokens)
         return Drafts(tokens, lens, probs)
 
-    def _run(self, graphs, feeds, starts, pages, state):
-        """One forward, replayed from a graph when one fits."""
-        width = max(len(f) for f in feeds)
-        if graphs is not None and graphs.fits(len(feeds), width):
-            return graphs.run(feeds, starts, pages, width, state)[0]
-        return self.forward(ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device),
-                            state)
+    def _run(self, graphs, feeds, starts, pages, state, input_ids=None, rejected=None):
+        """One catch-up forward, replayed from a graph when one fits. `input_ids` (on the
+        device) replace the fed tokens; `rejected[i]` tokens at the end of row i are not
+        real, so its logits come from before them."""
+        width, n = max(len(f) for f in feeds), len(feeds)
+        if graphs is not None and graphs.fits(n, width):
+            key = graphs.load(feeds, starts, pages, width, state, input_ids)
+            if rejected is not None:
+                graphs.inputs(key).last_index[:n].sub_(rejected.to(torch.int32))
+            return graphs.replay(key, sum(len(f) for f in feeds), n)[0]
+        batch = ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device)
+        if input_ids is not None:
+            batch.input_ids.copy_(input_ids)
+        if rejected is not None:
+            batch.last_index.sub_(rejected.to(torch.int32))
+        return self.forward(batch, state)
 
-    def _draft_steps(self, reqs, max_limit, pages, state):
+    def _draft_steps(self, reqs, pending, max_limit, pages, state, rejected):
         """The one-token steps after the catch-up, as a function from the tokens to feed to
         the logits. Their inputs are set once, at each row's last catch-up position; each
         step then moves every row on by one position (`ForwardBatch.advance`, up to its
@@ -161,10 +194,10 @@ class ChainDrafter(ABC):
         graph when one fits: the host only feeds the tokens and replays. A row past its own
         K stays put and stores nothing (its drafts there are not used)."""
         runner, n = self.runner, len(reqs)
-        feeds, starts = [[0]] * n, [self.next_position(r, 0) for r in reqs]
+        feeds, starts = [[0]] * n, [self.next_position(r, 0, p) for r, p in zip(reqs, pending)]
         graphs = self.draft_graphs
         if graphs is not None and graphs.fits(n, 1):
-            key = graphs.load(feeds, starts, pages, 1, state)
+            key = graphs.load(feeds, starts, pages, 1, state, rejected=rejected)
             batch = graphs.inputs(key)
 
             def step(tokens):
@@ -172,6 +205,8 @@ class ChainDrafter(ABC):
                 return graphs.replay(key, n, n)[0]
             return step
         batch = ForwardBatch.build(feeds, starts, pages, runner.page_size, runner.device)
+        if rejected is not None:
+            batch.move_back(rejected, runner.page_size)
         batch.max_seq_len = max_limit
 
         def step(tokens):
