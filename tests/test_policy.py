@@ -290,6 +290,21 @@ def test_slow_drafting_steps_leave_the_plain_step_price_alone():
     assert k2 + 0.003 < float(model.step_time(250, 500, 2, 250, 0)) <= k2 + 0.005
 
 
+def test_a_spell_of_slow_steps_raises_every_width_alike():
+    """Steps that run slow for a while (a pause, another tenant on the machine) at the one
+    width the policy chose must not leave that width dearer than its neighbours once the
+    spell ends: the policy would stop choosing it and never see its price come down."""
+    model = CostModel.from_function(true_cost, *grid_axes(16, 4), padded=True)
+    for _ in range(100):
+        observe_shape(model, 1, 5, true_cost(1, 5))
+    rng = random.Random(3)
+    for _ in range(40):
+        observe_shape(model, 1, 5, true_cost(1, 5) * rng.uniform(1.1, 2.5))
+    k3, k4 = (float(model.step_time(1, k, k, 1, 0)) for k in (3, 4))
+    assert k4 > true_cost(1, 5) * 1.2, "the spell shows"
+    assert k4 - k3 < 2 * (true_cost(1, 5) - true_cost(1, 4))
+
+
 def test_cost_model_learns_the_price_of_catching_up():
     """A drafter that catches up slower than profiled makes catching up dearer, and only that."""
     model = CostModel.from_function(true_cost, *grid_axes(16, 4), catch_up_fixed=0.003, catch_up_token=1e-6)

@@ -26,7 +26,11 @@ steps set the level; drafting steps set a second one, their overheads beyond it 
 async scheduling a drafting step cannot be queued before the last step's tokens are
 known). K = 0's price thus stays what plain steps are seen to take however long the
 policy drafts; were a few slow drafting steps to raise it, K = 0 would look dear and,
-never tried again, stay so. Each is a running mean at first, then an exponential average.
+never tried again, stay so. Each is a running mean at first, then an exponential average;
+the level's faster than the cells', and one step moves a cell by at most a fifth of its
+prediction. A spell of slow steps (a pause, another tenant) thus raises every width's
+price, not just that of the width it ran at, which would otherwise look dear once the
+spell is over and, no longer chosen, never be seen at its true price again.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the price of a compute-bound token, and
@@ -65,7 +69,7 @@ class CostModel:
     def __init__(self, batch_sizes, widths, grid=None, *, padded: bool = False, context_ref: float = 0.0,
                  context_cost: float = 0.0, draft_fixed=None, draft_step=None, catch_up_fixed: float = 0.0,
                  catch_up_token: float = 0.0, correct_online: bool = True, rate: float = 0.05,
-                 source: str = "given"):
+                 level_rate: float = 0.25, source: str = "given"):
         self.batch_sizes = np.asarray(batch_sizes, dtype=float)
         self.widths = np.asarray(widths, dtype=float)
         shape = (len(self.batch_sizes), len(self.widths))
@@ -90,7 +94,10 @@ class CostModel:
         self.catch_up_scale = np.ones(1)  # observed / profiled catch-up time
         self.catch_up_weight = np.ones(1)
         self.correct_online = correct_online
-        self.rate = rate
+        self.rate = rate              # how fast the grid's cells follow what is left after the level
+        self.cell_step = 0.2          # the most one step's error moves a cell, as a share of the prediction
+        self.level_rate = level_rate  # how fast the level follows the errors: faster, so that a spell
+                                      # of slow steps moves every shape and not the one it was seen at
         self.source = source
 
     @classmethod
@@ -169,18 +176,21 @@ class CostModel:
         measured = self.weight[b0, w0] > 0 and self.weight[b1, w1] > 0  # profiled, or observed before
         if measured or (self.level_weight[kind, b0] > 0 and self.level_weight[kind, b1] > 0):
             error = min(error, predicted)  # one slow step (a pause, a page fault) at most doubles the belief
-        error -= self._learn(self.level, self.level_weight, (((kind, b0), 1 - f), ((kind, b1), f)), error)
+        error -= self._learn(self.level, self.level_weight, (((kind, b0), 1 - f), ((kind, b1), f)), error,
+                             self.level_rate)
         cells = (((b0, w0), (1 - f) * (1 - g)), ((b0, w1), (1 - f) * g), ((b1, w0), f * (1 - g)), ((b1, w1), f * g))
+        if measured:
+            error = float(np.clip(error, -self.cell_step * predicted, self.cell_step * predicted))
         self._learn(self.grid, self.weight, cells, error)
         return predicted
 
-    def _learn(self, values, weights, targets, error) -> float:
+    def _learn(self, values, weights, targets, error, rate=None) -> float:
         """Move the interpolated targets toward `error`; returns how far the prediction moved."""
         moved = 0.0
         for index, w in targets:
             if w > 0:
                 weights[index] += w
-                step = w * max(1 / weights[index], self.rate)
+                step = w * max(1 / weights[index], self.rate if rate is None else rate)
                 values[index] += step * error
                 moved += w * step * error
         return moved
