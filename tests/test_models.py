@@ -16,6 +16,7 @@ from checkpoints import ARCHS, make_checkpoint, make_eagle3_checkpoint
 from tidal.attention.torch_ref import TorchAttention
 from tidal.batch import ForwardBatch
 from tidal.graphs import CudaGraphs
+from tidal.layers import fused
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
 from tidal.models.eagle3 import Eagle3Config, load_eagle3
@@ -341,6 +342,12 @@ def test_move_back_puts_rows_where_they_really_are():
     for field in ("positions", "seq_lens", "slot_mapping", "query_start_loc", "last_index"):
         assert getattr(batch, field).tolist() == getattr(built, field).tolist(), field
     assert batch.slot_mapping.tolist()[-2:] == [-1, -1]
+    # The kernel CUDA runs instead (here through Triton's interpreter) does the same.
+    kernel = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=8)
+    fused.move_back(torch.tensor(rejected), kernel.query_start_loc, kernel.seq_lens, kernel.positions,
+                    kernel.slot_mapping, kernel.page_table, PAGE_SIZE, kernel.max_query_len)
+    for field in ("positions", "seq_lens", "slot_mapping"):
+        assert getattr(kernel, field).tolist() == getattr(built, field).tolist(), field
 
 
 def test_graph_inputs_equal_the_built_batch():

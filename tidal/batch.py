@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tidal.layers import fused
+
 
 def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Host data as a device tensor, copied without waiting for the device. A plain
@@ -81,6 +83,10 @@ class ForwardBatch:
         the step before rejected). A step planned ahead of a drafting one is built as if
         every draft there were accepted; this puts its rows where they really are, without
         the host. Tokens that store nowhere still store nowhere."""
+        if rejected.is_cuda:
+            fused.move_back(rejected, self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping,
+                            self.page_table, page_size, self.max_query_len)
+            return
         n = rejected.shape[0]
         token = torch.arange(self.num_tokens, dtype=torch.int32, device=rejected.device)
         rows = torch.searchsorted(self.query_start_loc[1:n + 1], token, right=True)

@@ -214,6 +214,7 @@ class ModelRunner:
                     tokens, probs = tokens[subset], None if probs is None else probs[subset]
                 step.tokens, step.accepted = verify(logits, tokens, probs, ks, st, counters,
                                                     simulate_acceptance=simulate_acceptance)
+                step.rejected = ks + 1 - step.accepted
                 out = torch.cat([step.tokens, step.accepted[:, None]], dim=1)
             wanted = [r.params.logprobs for r in sampled]
             if any(n is not None for n in wanted):
@@ -233,7 +234,8 @@ class PendingStep:
         self.rows = rows            # plan rows that sample
         self.width = width
         self.tokens: torch.Tensor | None = None  # [len(rows), W] on the device
-        self.accepted: torch.Tensor | None = None  # [len(rows)] on the device, when verifying
+        self.accepted: torch.Tensor | None = None  # [len(rows)] on the device, when verifying: tokens committed
+        self.rejected: torch.Tensor | None = None  # and drafts rejected (1 + K_i - accepted)
         self.logprobs = None        # (logprobs wanted per sampled row, their device tensors)
         self.host: torch.Tensor | None = None
         self.copied: torch.cuda.Event | None = None
@@ -257,17 +259,17 @@ class PendingStep:
         row = {id(r): i for i, r in enumerate(own.requests)}
         index = [row[id(r)] for r in reqs]
         ks = [own.draft_lens[i] for i in index]
-        tokens, accepted = self.tokens, self.accepted
+        tokens, accepted, rejected = self.tokens, self.accepted, self.rejected
         if index != list(range(len(own.requests))):
             index_t = to_device(index, torch.int64, tokens.device)
             tokens = tokens[index_t]
-            accepted = None if accepted is None else accepted[index_t]
+            if accepted is not None:
+                accepted, rejected = accepted[index_t], rejected[index_t]
         computed = [own.num_new_tokens[i] + k for i, k in zip(index, ks)]
         if accepted is None:
             return Ahead(computed, [1] * len(reqs), tokens, tokens[:, 0], None)
-        commits = [1 + k for k in ks]
         last = tokens.gather(1, (accepted - 1)[:, None])[:, 0]
-        return Ahead(computed, commits, tokens, last, to_device(commits, torch.int64, tokens.device) - accepted)
+        return Ahead(computed, [1 + k for k in ks], tokens, last, rejected)
 
     def result(self) -> StepResult:
         b = len(self.plan.requests)

@@ -342,3 +342,29 @@ def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tens
         _top_p_kernel[(n,)](scaled, floor.contiguous(), top_p, out, scaled.stride(0), v, BLOCK=1024, G=group,
                             num_warps=8)
     return out
+
+
+@triton.jit
+def _move_back_kernel(rejected_ptr, query_start_ptr, seq_lens_ptr, pos_ptr, slot_ptr, table_ptr, table_stride,
+                      PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    back = tl.load(rejected_ptr + row)
+    tl.store(seq_lens_ptr + row, tl.load(seq_lens_ptr + row) - back.to(tl.int32))
+    offs = tl.load(query_start_ptr + row) + tl.arange(0, BLOCK)
+    mask = offs < tl.load(query_start_ptr + row + 1)
+    pos = tl.load(pos_ptr + offs, mask=mask, other=0) - back
+    tl.store(pos_ptr + offs, pos, mask=mask)
+    slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
+    stores = mask & (slot >= 0)
+    page = tl.load(table_ptr + row * table_stride + pos // PAGE_SIZE, mask=stores, other=0).to(tl.int64)
+    tl.store(slot_ptr + offs, tl.where(stores, page * PAGE_SIZE + pos % PAGE_SIZE, -1), mask=mask)
+
+
+def move_back(rejected: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+              positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
+              page_size: int, max_query_len: int) -> None:
+    """`ForwardBatch.move_back` in one kernel, in place: a program per row moves its tokens
+    back by rejected[row] and recomputes their slots (the eager version is a dozen kernels)."""
+    _move_back_kernel[(rejected.shape[0],)](rejected, query_start_loc, seq_lens, positions, slot_mapping, page_table,
+                                            page_table.stride(0), PAGE_SIZE=page_size,
+                                            BLOCK=triton.next_power_of_2(max_query_len))
