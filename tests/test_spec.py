@@ -160,8 +160,8 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     one step later, and another K schedule draws other random numbers.)"""
     prompts = repetitive_prompts()
     probe = run(LLM(model=models["target"], page_size=4), prompts, greedy())[0]
-    params = [greedy(max_tokens=9), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=(probe[1][12],)),
-              greedy()]
+    stop = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop_token_ids=(probe[1][12],))
+    params = [greedy(max_tokens=9), stop, greedy()]
     outputs = {}
     for overlap in (False, True):
         llm = LLM(model=models["target"], page_size=4, async_scheduling=overlap,
@@ -178,18 +178,24 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     assert outputs[True] == outputs[False] == [probe[0][:9], probe[1][:13], probe[2]]
 
     seen = {"verify": [], "draft": [], "true": []}
+    sample_draft, commit = llm.engine.proposer._sample, llm.engine.scheduler.commit
 
     def verify(logits, tokens, probs, ks, st, counters, **kwargs):
         seen["verify"].append(counters.tolist())
         return real_verify(logits, tokens, probs, ks, st, counters, **kwargs)
 
-    propose, commit = llm.engine.proposer._sample, llm.engine.scheduler.commit
+    def drafting_sample(logits, st, counters, probs, rows, j):
+        if j == 0:
+            seen["draft"].append(counters.tolist())
+        return sample_draft(logits, st, counters, probs, rows, j)
+
+    def committing(plan, result, in_flight=None):
+        seen["true"].append((plan.draft_lens[:], [r.num_output_tokens for r in plan.requests]))
+        return commit(plan, result, in_flight)
+
     monkeypatch.setattr(tidal.runner, "verify", verify)
-    monkeypatch.setattr(llm.engine.proposer, "_sample", lambda logits, st, counters, probs, rows, j: (
-        seen["draft"].append(counters.tolist()) if j == 0 else None, propose(logits, st, counters, probs, rows, j))[1])
-    monkeypatch.setattr(llm.engine.scheduler, "commit", lambda plan, result, in_flight=None: (
-        seen["true"].append((plan.draft_lens[:], [r.num_output_tokens for r in plan.requests])),
-        commit(plan, result, in_flight))[1])
+    monkeypatch.setattr(llm.engine.proposer, "_sample", drafting_sample)
+    monkeypatch.setattr(llm.engine.scheduler, "commit", committing)
     sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in range(3)]
     run(llm, prompts[:3], sampled)
     drafting = [(ks, true) for ks, true in seen["true"] if any(ks)]

@@ -129,7 +129,8 @@ class LLMEngine:
         self._observe_last()  # while the device runs this step: learn from the last, plan the next
         ahead = None
         drafts_ahead = self.proposer is None or self.proposer.drafts_ahead
-        if self.config.async_scheduling and step.plan.samples_every_row and (drafts_ahead or not step.plan.max_draft_len):
+        can_plan_ahead = step.plan.samples_every_row and (drafts_ahead or not step.plan.max_draft_len)
+        if self.config.async_scheduling and can_plan_ahead:
             ahead = self.scheduler.schedule_ahead(step.plan)
         if ahead is None:
             self.scheduler.choose_ahead(step.plan)
