@@ -22,9 +22,8 @@ Each observed decode step corrects the prediction toward what the step really to
 two parts: first a level per batch size, shared by every width (the engine's own
 overheads, a busier machine: these move all shapes alike), then what is left over to the
 grid cells around the step's shape (what the profile got wrong about that shape). Plain
-steps set the level; drafting steps set a second one, their overheads beyond it (with
-async scheduling a drafting step cannot be queued before the last step's tokens are
-known). K = 0's price thus stays what plain steps are seen to take however long the
+steps set the level; drafting steps set a second one, their overheads beyond it (the
+proposer's host work, which a busy host may not hide behind the step before). K = 0's price thus stays what plain steps are seen to take however long the
 policy drafts; were a few slow drafting steps to raise it, K = 0 would look dear and,
 never tried again, stay so. Each is a running mean at first, then an exponential average;
 the level's faster than the cells', and one step moves a cell by at most a fifth of its
