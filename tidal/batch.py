@@ -13,8 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tidal.layers import fused
-
 
 def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Host data as a device tensor, copied without waiting for the device. A plain
@@ -84,6 +82,8 @@ class ForwardBatch:
         every draft there were accepted; this puts its rows where they really are, without
         the host. Tokens that store nowhere still store nowhere."""
         if rejected.is_cuda:
+            from tidal.layers import fused
+
             fused.move_back(rejected, self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping,
                             self.page_table, page_size, self.max_query_len)
             return

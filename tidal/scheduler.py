@@ -227,7 +227,7 @@ class Scheduler:
     def commit(self, plan: StepPlan, result: StepResult, in_flight: StepPlan | None = None) -> list[Request]:
         """Append each row's accepted tokens; returns the requests that finished.
         `in_flight` is a step planned ahead of this one, already on the device."""
-        ahead = set(in_flight.requests) if in_flight is not None else ()
+        ahead = set(in_flight.requests) if in_flight is not None and any(plan.draft_lens) else ()
         finished = []
         tokens = result.token_ids.tolist()
         accept_lens = result.accept_lens.tolist()

@@ -23,13 +23,14 @@ two parts: first a level per batch size, shared by every width (the engine's own
 overheads, a busier machine: these move all shapes alike), then what is left over to the
 grid cells around the step's shape (what the profile got wrong about that shape). Plain
 steps set the level; drafting steps set a second one, their overheads beyond it (the
-proposer's host work, which a busy host may not hide behind the step before). K = 0's price thus stays what plain steps are seen to take however long the
-policy drafts; were a few slow drafting steps to raise it, K = 0 would look dear and,
-never tried again, stay so. Each is a running mean at first, then an exponential average;
-the level's faster than the cells', and one step moves a cell by at most a fifth of its
-prediction. A spell of slow steps (a pause, another tenant) thus raises every width's
-price, not just that of the width it ran at, which would otherwise look dear once the
-spell is over and, no longer chosen, never be seen at its true price again.
+proposer's host work, which a busy host may not hide behind the step before). K = 0's
+price thus stays what plain steps are seen to take however long the policy drafts; were
+a few slow drafting steps to raise it, K = 0 would look dear and, never tried again, stay
+so. Each is a running mean at first, then an exponential average; the level's faster than
+the cells', and one step moves a cell by at most a fifth of its prediction. A spell of
+slow steps (a pause, another tenant) thus raises every width's price, not just that of
+the width it ran at, which would otherwise look dear once the spell is over and, no
+longer chosen, never be seen at its true price again.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the price of a compute-bound token, and
@@ -68,7 +69,7 @@ class CostModel:
     def __init__(self, batch_sizes, widths, grid=None, *, padded: bool = False, context_ref: float = 0.0,
                  context_cost: float = 0.0, draft_fixed=None, draft_step=None, catch_up_fixed: float = 0.0,
                  catch_up_token: float = 0.0, correct_online: bool = True, rate: float = 0.05,
-                 level_rate: float = 0.25, source: str = "given"):
+                 level_rate: float = 0.25, cell_step: float = 0.2, source: str = "given"):
         self.batch_sizes = np.asarray(batch_sizes, dtype=float)
         self.widths = np.asarray(widths, dtype=float)
         shape = (len(self.batch_sizes), len(self.widths))
@@ -94,7 +95,7 @@ class CostModel:
         self.catch_up_weight = np.ones(1)
         self.correct_online = correct_online
         self.rate = rate              # how fast the grid's cells follow what is left after the level
-        self.cell_step = 0.2          # the most one step's error moves a cell, as a share of the prediction
+        self.cell_step = cell_step    # the most one step's error moves a cell, as a share of the prediction
         self.level_rate = level_rate  # how fast the level follows the errors: faster, so that a spell
                                       # of slow steps moves every shape and not the one it was seen at
         self.source = source

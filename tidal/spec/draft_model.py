@@ -33,11 +33,8 @@ class DraftModelProposer(ChainDrafter):
     def allocate_cache(self) -> None:
         self.kv_caches = self.runner.allocate_kv(self.config, self.runner.num_pages)
 
-    def catch_up(self, reqs, pending):
-        # A commit still to come may have raised num_absorbed past num_computed, which is
-        # where the drafter's trusted KV ends.
-        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
-        return [r.token_ids[s:] + [0] * n for r, s, n in zip(reqs, starts, pending)], starts, None
+    def catch_up(self, reqs, starts, pending):
+        return [r.token_ids[s:] + [0] * n for r, s, n in zip(reqs, starts, pending)], None
 
     def next_position(self, req, j, pending):
         return req.num_tokens + pending + j - 1

@@ -36,16 +36,14 @@ class Eagle3Proposer(ChainDrafter):
     def allocate_cache(self) -> None:
         self.kv_cache, = self.runner.allocate_kv(self.config.model, self.runner.num_pages)
 
-    def catch_up(self, reqs, pending):
-        # Positions num_absorbed .. n - 2 take token p + 1 and the target's state at p (n
-        # counting the pending tokens; a commit still to come may have raised num_absorbed
-        # past num_computed, which is where the drafter's trusted KV ends).
+    def catch_up(self, reqs, starts, pending):
+        # Positions start .. n - 2 take token p + 1 and the target's state at p (n counting
+        # the pending tokens).
         ps = self.runner.page_size
-        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
         slots = [r.pages[p // ps] * ps + p % ps for r, s, n in zip(reqs, starts, pending)
                  for p in range(s, r.num_tokens + n - 1)]
         state = self.runner.aux_cache[to_device(slots, torch.int64, self.runner.device)]
-        return [r.token_ids[s + 1:] + [0] * n for r, s, n in zip(reqs, starts, pending)], starts, state
+        return [r.token_ids[s + 1:] + [0] * n for r, s, n in zip(reqs, starts, pending)], state
 
     def next_position(self, req, j, pending):
         return req.num_tokens + pending + j - 2

@@ -66,9 +66,9 @@ class ChainDrafter(ABC):
         self.limits = torch.zeros(runner.config.max_num_seqs, dtype=torch.int64, device=runner.device)
 
     @abstractmethod
-    def catch_up(self, reqs, pending: list[int]) -> tuple[list[list[int]], list[int], torch.Tensor | None]:
-        """Tokens to feed (the last pending[i] of row i are placeholders for tokens only the
-        device knows yet), the position of each row's first one, and the input state."""
+    def catch_up(self, reqs, starts: list[int], pending: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Tokens to feed from position starts[i] of row i on (its last pending[i] are
+        placeholders for tokens only the device knows yet), and the input state."""
 
     @abstractmethod
     def next_position(self, req, j: int, pending: int) -> int:
@@ -145,7 +145,10 @@ class ChainDrafter(ABC):
         tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
         pages = [r.pages for r in reqs]
 
-        feeds, starts, state = self.catch_up(reqs, pending)
+        # A commit still to come may have raised num_absorbed past num_computed, which is
+        # where the drafter's trusted KV ends.
+        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
+        feeds, state = self.catch_up(reqs, starts, pending)
         input_ids = None
         if ahead:
             source = ahead.tokens if len(rows) == len(plan.requests) else ahead.tokens[rows_t]
