@@ -9,8 +9,9 @@ Four questions, each answered side by side in one run:
   outputs checked against float32, then 32 layers' worth (distinct weights, 14 GB) replayed
   from one CUDA graph per variant, so launch gaps and caches are as in a decode step;
 - argmax: `fused.argmax` against torch's at 1, 5 and 256 rows of a 128k vocabulary;
-- attention splits: batch-1 decode attention (store + attention + combine) at 300, 1,000
-  and 4,000 keys with 1 to 32 key splits, 32 calls replayed from a graph;
+- attention splits: batch-1 decode attention at 300, 1,000 and 4,000 keys with 1 to 32 key
+  splits, 32 calls replayed from a graph, as the engine runs it (one kernel that rotates,
+  stores and attends: `fused_us_*`) and with the store first (`us_*`);
 - mixed steps: the host time to queue an eager forward of 64 decodes plus one 128-token
   prompt, against its GPU time, and the same for 64 decodes alone, eager and from the graph;
   the mixed forward from the piecewise graphs (checked equal to the eager one); then the
@@ -202,12 +203,19 @@ def splits_section(shape, device, smoke):
             cfg = AttentionConfig(base.block_m, base.block_n, splits, base.num_warps, base.num_stages)
             got = paged_attention(q, cache, batch, d ** -0.5, cfg)
             row[f"err_{splits}"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            fused = paged_attention(q, cache, batch, d ** -0.5, cfg, new_kv=(k, v))
+            row[f"fused_err_{splits}"] = ((fused.float() - want.float()).norm() / want.float().norm()).item()
             if not smoke:
                 def layers(cfg=cfg):
                     for _ in range(32):
                         qr = rotate_and_store(q, k, v, cache, batch, None)
                         paged_attention(qr, cache, batch, d ** -0.5, cfg)
+
+                def fused_layers(cfg=cfg):
+                    for _ in range(32):
+                        paged_attention(q, cache, batch, d ** -0.5, cfg, new_kv=(k, v))
                 row[f"us_{splits}"] = graph_ms(layers) / 32 * 1e3
+                row[f"fused_us_{splits}"] = graph_ms(fused_layers) / 32 * 1e3
         out[ctx] = row
     return out
 
@@ -314,8 +322,10 @@ def main():
         print(f"  {n:>4} rows  {row['equal']}  {row.get('torch_us', float('nan')):7.1f}  {row.get('fused_us', float('nan')):7.1f}")
     print("attention, batch-1 decode, us per layer by key splits (default from max_model_len 2048):")
     for ctx, row in results["splits"].items():
-        print(f"  ctx {ctx:>5} (default {row['default_splits']}): " + "  ".join(
-            f"{s}: {row.get(f'us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
+        for kind in ("", "fused_"):
+            print(f"  ctx {ctx:>5} (default {row['default_splits']}) {'one kernel' if kind else 'stored first'}: " + "  ".join(
+                f"{s}: {row.get(f'{kind}us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
+        print(f"  ctx {ctx:>5} worst relative error, fused: {max(row[f'fused_err_{s}'] for s in (1, 2, 4, 8, 16, 32)):.1e}")
     w = results["weights"]
     print("weight products, 32 layers from one graph (ms), worst relative error:")
     for label, ms in sorted(w["chain_ms"].items(), key=lambda kv: kv[1]):

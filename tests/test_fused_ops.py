@@ -133,6 +133,23 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
     assert all(weights[i, t] > 0 for i, t in enumerate(expected.tolist()))
 
 
+@pytest.mark.parametrize("unit", [False, True])
+def test_row_keys_are_the_samplers(unit):
+    """The one-kernel hash gives `sampler`'s keys and uniforms bit for bit: 63-bit seeds,
+    counters past 2^32, every stream, one row per draw and a row broadcast over positions."""
+    from tidal.layers import sampler
+
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**63 - 1, 123456789])
+    counters = torch.tensor([0, 5, 2**33 + 1, 17, 999])
+    want = sampler.hash_uniform if unit else sampler._row_keys
+    for stream in (sampler.STREAM_SAMPLE, sampler.STREAM_ACCEPT, sampler.STREAM_DRAFT):
+        key = sampler._stream_key(stream)
+        assert torch.equal(fused.row_keys(seeds, counters, key, unit), want(seeds, counters, stream))
+        grid = counters.unsqueeze(1) + torch.arange(4)
+        got = fused.row_keys(seeds.unsqueeze(1), grid, key, unit)
+        assert got.shape == (5, 4) and torch.equal(got, want(seeds.unsqueeze(1), grid, stream))
+
+
 @pytest.mark.parametrize("n, vocab", [(1, 5), (1, 70_000), (3, 9000), (300, 2100)])
 def test_argmax_is_torchs_first_index_of_the_maximum(n, vocab):
     """The split argmax gives torch's argmax: ties (integer values, a row all equal, the

@@ -9,7 +9,9 @@ Outputs are fresh contiguous tensors; inputs are never modified.
 
 Sampling's exponential race hashes its uniforms inside the kernel that reads the weights,
 instead of a dozen eager passes over an [N, V] int64 tensor of hashes; the same kernel, with
-the logits as the scores, is the greedy argmax, splitting a long row over many programs.
+the logits as the scores, is the greedy argmax, splitting a long row over many programs
+whose last to finish picks the winner. The per-row keys and uniforms (acceptance tests) are
+one kernel too.
 """
 
 from __future__ import annotations
@@ -192,12 +194,30 @@ def _mix32(x):
     return x ^ (x >> 15)
 
 
+_MAX_ARRIVALS = 1 << 16
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters for kernels whose programs count their arrivals, so that the
+    last to arrive merges the others' partial results. Every launch leaves its counters at
+    0, so one buffer per device serves every kernel, step and graph; it is never replaced,
+    since captured graphs keep its address."""
+    if n > _MAX_ARRIVALS:
+        raise ValueError(f"{n} groups of programs to count; at most {_MAX_ARRIVALS}")
+    if device not in _arrivals:
+        _arrivals[device] = torch.zeros(_MAX_ARRIVALS, dtype=torch.int32, device=device)
+    return _arrivals[device]
+
+
 @triton.jit
-def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, stride, V, BLOCKS_PER_SPLIT, BLOCK: tl.constexpr,
-                       RACE: tl.constexpr):
+def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, count_ptr, stride, V, BLOCKS_PER_SPLIT,
+                       BLOCK: tl.constexpr, RACE: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """Program (row, split): the first v in the split's blocks with the largest score, where
     the score is x[v] itself, or with RACE the exponential race's x[v] / -log(u(key, v)),
-    u being `sampler`'s uniform of the row's key and vocabulary index v; one pass over x."""
+    u being `sampler`'s uniform of the row's key and vocabulary index v; one pass over x.
+    With several splits the last of a row to finish (an atomic count) takes the first
+    split holding the largest score."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     best = tl.full((), float("-inf"), tl.float32)
@@ -217,9 +237,20 @@ def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, stride, V, BLOCKS_P
         first = tl.min(tl.where(x == top, v, V), axis=0)
         best_index = tl.where(top > best, first, best_index)
         best = tl.maximum(top, best)
-    out = row * tl.num_programs(1) + split
-    tl.store(best_ptr + out, best)
-    tl.store(index_ptr + out, best_index.to(tl.int64))
+    if SPLITS_PAD == 1:
+        tl.store(out_ptr + row, best_index.to(tl.int64))
+    else:
+        splits = tl.num_programs(1)
+        tl.store(best_ptr + row * splits + split, best)
+        tl.store(index_ptr + row * splits + split, best_index)
+        tl.debug_barrier()  # the partial is written before the count moves
+        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            offs = tl.arange(0, SPLITS_PAD)
+            found = tl.load(best_ptr + row * splits + offs, mask=offs < splits, other=float("-inf"),
+                            cache_modifier=".cg")
+            winner = tl.min(tl.where(found == tl.max(found, axis=0), offs, SPLITS_PAD), axis=0)
+            tl.store(out_ptr + row, tl.load(index_ptr + row * splits + winner, cache_modifier=".cg").to(tl.int64))
+            tl.atomic_xchg(count_ptr + row, 0)
 
 
 _BEST_BLOCK = 2048
@@ -232,18 +263,24 @@ def _first_best(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     largest score wins, so ties go to the first index, as with torch's argmax."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     n, v = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
     if n == 0:
-        return torch.empty(0, dtype=torch.int64, device=x.device)
+        return out
     blocks = triton.cdiv(v, _BEST_BLOCK)
     splits = min(blocks, triton.cdiv(_BEST_PROGRAMS, n))
     per_split = triton.cdiv(blocks, splits)
-    best = torch.empty(n, splits, dtype=torch.float32, device=x.device)
-    index = torch.empty(n, splits, dtype=torch.int64, device=x.device)
+    if splits > 1:
+        best = torch.empty(n, splits, dtype=torch.float32, device=x.device)
+        index = torch.empty(n, splits, dtype=torch.int32, device=x.device)
+        counts = arrival_counts(x.device, n)
+    else:
+        best, index, counts = out, out, out  # unread with one split
     race = keys is not None
     keys = keys.expand(n).contiguous() if race else x  # unread without the race
-    _first_best_kernel[(n, splits)](x, keys, best, index, x.stride(0), v, per_split,
-                                    BLOCK=_BEST_BLOCK, RACE=race, num_warps=8)
-    return index.gather(1, best.argmax(1, keepdim=True)).squeeze(1)
+    _first_best_kernel[(n, splits)](x, keys, best, index, out, counts, x.stride(0), v, per_split,
+                                    BLOCK=_BEST_BLOCK, RACE=race, SPLITS_PAD=triton.next_power_of_2(splits),
+                                    num_warps=8)
+    return out
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -257,6 +294,40 @@ def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """`sampler.sample_from_probs` given each row's 32-bit key [N]: one pass over the
     weights [N, V] instead of a dozen over an int64 [N, V] of hashes."""
     return _first_best(probs, keys)
+
+
+@triton.jit
+def _row_keys_kernel(seeds_ptr, counters_ptr, out_ptr, s_seed0, s_seed1, s_count0, s_count1, C, N, stream_key,
+                     UNIT: tl.constexpr, BLOCK: tl.constexpr):
+    """`sampler._row_keys` (or, with UNIT, `sampler.hash_uniform`) of element i of a [N / C, C]
+    broadcast of seeds and counters; stream_key is the stream's part, hashed on the host."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    r, c = i // C, i % C
+    seed = tl.load(seeds_ptr + r * s_seed0 + c * s_seed1, mask=mask, other=0)
+    counter = tl.load(counters_ptr + r * s_count0 + c * s_count1, mask=mask, other=0)
+    h = _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ stream_key.to(tl.uint32))
+    h = _mix32(h ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    h = _mix32(h ^ (counter & 0xFFFFFFFF).to(tl.uint32))
+    if UNIT:
+        tl.store(out_ptr + i, ((h >> 9).to(tl.float32) + 0.5) * (2.0 ** -23), mask=mask)
+    else:
+        tl.store(out_ptr + i, h.to(tl.int64), mask=mask)
+
+
+def row_keys(seeds: torch.Tensor, counters: torch.Tensor, stream_key: int, unit: bool) -> torch.Tensor:
+    """`sampler._row_keys` (int64 keys) or, with `unit`, `sampler.hash_uniform` (float32) of the
+    broadcast of int64 seeds and counters, in one kernel instead of some thirty eager ones."""
+    shape = torch.broadcast_shapes(seeds.shape, counters.shape)
+    cols = shape[-1] if shape else 1
+    seeds2, counters2 = (torch.broadcast_to(t, shape).reshape(-1, cols) for t in (seeds, counters))
+    out = torch.empty(shape, dtype=torch.float32 if unit else torch.int64, device=seeds.device)
+    n = out.numel()
+    if n:
+        block = min(1024, triton.next_power_of_2(n))
+        _row_keys_kernel[(triton.cdiv(n, block),)](seeds2, counters2, out, *seeds2.stride(), *counters2.stride(),
+                                                   cols, n, stream_key, UNIT=unit, BLOCK=block)
+    return out
 
 
 # ---------------------------------------------------------------------------- top-p

@@ -1,10 +1,10 @@
 """Batched token sampling without host syncs.
 
 Every random number is a pure function of (seed, counter, index, stream), computed by a
-counter-based hash in vectorised int64 ops (on CUDA, the per-vocabulary-entry numbers of a
-draw are hashed inside one Triton kernel, `fused.race_sample`, that also runs the race). A
-seeded request therefore draws the same numbers whatever batch it lands in, and no
-generator state has to be carried between steps.
+counter-based hash in vectorised int64 ops (on CUDA in Triton kernels: `fused.row_keys` for
+the per-row numbers, and `fused.race_sample`, which hashes a draw's per-vocabulary-entry
+numbers inside the kernel that runs the race). A seeded request therefore draws the same
+numbers whatever batch it lands in, and no generator state has to be carried between steps.
 `counter` is the index of the output token being produced; `stream` separates independent
 uses at the same counter (sampling vs. acceptance tests; proposers pick their own streams).
 """
@@ -42,9 +42,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
+def _stream_key(stream: int) -> int:
+    return _mix32((stream & _MASK32) ^ 0x9E3779B9)
+
+
 def _row_keys(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
     """One 32-bit key per (seed, counter, stream); seeds and counters broadcast."""
-    h = _mix32((seeds & _MASK32) ^ _mix32((stream & _MASK32) ^ 0x9E3779B9))
+    if seeds.is_cuda:
+        from tidal.layers import fused
+
+        return fused.row_keys(seeds, counters, _stream_key(stream), unit=False)
+    h = _mix32((seeds & _MASK32) ^ _stream_key(stream))
     h = _mix32(h ^ ((seeds >> 32) & _MASK32))
     return _mix32(h ^ (counters & _MASK32))
 
@@ -57,6 +65,10 @@ def _to_unit(h: torch.Tensor) -> torch.Tensor:
 
 def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniforms in (0, 1), one per element of broadcast(seeds, counters)."""
+    if seeds.is_cuda:
+        from tidal.layers import fused
+
+        return fused.row_keys(seeds, counters, _stream_key(stream), unit=True)
     return _to_unit(_row_keys(seeds, counters, stream))
 
 
