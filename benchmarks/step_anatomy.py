@@ -8,10 +8,12 @@ Four questions, each answered side by side in one run:
   verification at K = 4) through cuBLAS (`F.linear`) against Triton skinny-GEMM variants:
   outputs checked against float32, then 32 layers' worth (distinct weights, 14 GB) replayed
   from one CUDA graph per variant, so launch gaps and caches are as in a decode step;
+- swiglu: at one token, the gate/up product then `fused.silu_and_mul` (what every larger
+  batch runs) against `fused.swiglu_gemv` (one kernel) and its block sizes, 32 layers from
+  one graph, outputs checked against the two-step result;
 - argmax: `fused.argmax` against torch's at 1, 5 and 256 rows of a 128k vocabulary;
-- attention splits: batch-1 decode attention at 300, 1,000 and 4,000 keys with 1 to 32 key
-  splits, 32 calls replayed from a graph, as the engine runs it (one kernel that rotates,
-  stores and attends: `fused_us_*`) and with the store first (`us_*`);
+- attention splits: batch-1 decode attention (store + attention + combine) at 300, 1,000
+  and 4,000 keys with 1 to 32 key splits, 32 calls replayed from a graph;
 - mixed steps: the host time to queue an eager forward of 64 decodes plus one 128-token
   prompt, against its GPU time, and the same for 64 decodes alone, eager and from the graph;
   the mixed forward from the piecewise graphs (checked equal to the eager one); then the
@@ -163,6 +165,39 @@ def weights_section(shape, device, smoke):
     return out
 
 
+def swiglu_section(shape, device, smoke):
+    from tidal.layers import fused
+
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    weights = [torch.randn(2 * inter, h, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
+    x = torch.randn(1, h, device=device, dtype=dtype)
+    want = fused.silu_and_mul(F.linear(x, weights[0])).float() if device == "cuda" else None
+    out = {}
+    if smoke:
+        return out
+
+    def two_step():
+        for w in weights:
+            fused.silu_and_mul(F.linear(x, w))
+    out["two_step_ms"] = graph_ms(two_step)
+    default = (fused._SWIGLU_BLOCK_N, fused._SWIGLU_BLOCK_K)
+    for block_n, block_k in ((2, 512), (4, 256), (4, 512), (8, 256), (8, 512)):
+        fused._SWIGLU_BLOCK_N, fused._SWIGLU_BLOCK_K = block_n, block_k
+        got = fused.swiglu_gemv(x, weights[0]).float()
+        out[f"err_{block_n}x{block_k}"] = ((got - want).norm() / want.norm()).item()
+
+        def one_kernel():
+            for w in weights:
+                fused.swiglu_gemv(x, w)
+        out[f"fused_{block_n}x{block_k}_ms"] = graph_ms(one_kernel)
+    fused._SWIGLU_BLOCK_N, fused._SWIGLU_BLOCK_K = default
+    out["default"] = f"{default[0]}x{default[1]}"
+    del weights
+    return out
+
+
 def argmax_section(vocab, device, smoke):
     from tidal.layers import fused
 
@@ -203,19 +238,12 @@ def splits_section(shape, device, smoke):
             cfg = AttentionConfig(base.block_m, base.block_n, splits, base.num_warps, base.num_stages)
             got = paged_attention(q, cache, batch, d ** -0.5, cfg)
             row[f"err_{splits}"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
-            fused = paged_attention(q, cache, batch, d ** -0.5, cfg, new_kv=(k, v))
-            row[f"fused_err_{splits}"] = ((fused.float() - want.float()).norm() / want.float().norm()).item()
             if not smoke:
                 def layers(cfg=cfg):
                     for _ in range(32):
                         qr = rotate_and_store(q, k, v, cache, batch, None)
                         paged_attention(qr, cache, batch, d ** -0.5, cfg)
-
-                def fused_layers(cfg=cfg):
-                    for _ in range(32):
-                        paged_attention(q, cache, batch, d ** -0.5, cfg, new_kv=(k, v))
                 row[f"us_{splits}"] = graph_ms(layers) / 32 * 1e3
-                row[f"fused_us_{splits}"] = graph_ms(fused_layers) / 32 * 1e3
         out[ctx] = row
     return out
 
@@ -305,6 +333,7 @@ def main():
                "triton": triton.__version__}
     sections = {"argmax": lambda: argmax_section(shape["vocab_size"], device, args.smoke),
                 "splits": lambda: splits_section(shape, device, args.smoke),
+                "swiglu": lambda: swiglu_section(shape, device, args.smoke),
                 "weights": lambda: weights_section(shape, device, args.smoke)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), shape)
@@ -322,10 +351,11 @@ def main():
         print(f"  {n:>4} rows  {row['equal']}  {row.get('torch_us', float('nan')):7.1f}  {row.get('fused_us', float('nan')):7.1f}")
     print("attention, batch-1 decode, us per layer by key splits (default from max_model_len 2048):")
     for ctx, row in results["splits"].items():
-        for kind in ("", "fused_"):
-            print(f"  ctx {ctx:>5} (default {row['default_splits']}) {'one kernel' if kind else 'stored first'}: " + "  ".join(
-                f"{s}: {row.get(f'{kind}us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
-        print(f"  ctx {ctx:>5} worst relative error, fused: {max(row[f'fused_err_{s}'] for s in (1, 2, 4, 8, 16, 32)):.1e}")
+        print(f"  ctx {ctx:>5} (default {row['default_splits']}): " + "  ".join(
+            f"{s}: {row.get(f'us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
+    print("gate/up product + SwiGLU at one token, 32 layers from one graph (ms), relative error:")
+    for label, value in results["swiglu"].items():
+        print(f"  {label:<24} {value:.3g}" if isinstance(value, float) else f"  {label:<24} {value}")
     w = results["weights"]
     print("weight products, 32 layers from one graph (ms), worst relative error:")
     for label, ms in sorted(w["chain_ms"].items(), key=lambda kv: kv[1]):

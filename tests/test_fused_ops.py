@@ -105,6 +105,18 @@ def test_silu_and_mul(dtype, tokens, inter):
     close(fused.silu_and_mul(x), SiluAndMul()(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden, inter", [(96, 37), (1000, 130)])
+def test_swiglu_gemv_is_the_product_then_silu_and_mul(dtype, hidden, inter):
+    """One token's gate/up product and SwiGLU in one kernel: the two-step result, rounded
+    the same way (a hidden size that is not a multiple of the block, a last block of rows
+    half full)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, hidden, dtype=dtype)
+    w = (torch.randn(2 * inter, hidden) / hidden ** 0.5).to(dtype)
+    close(fused.swiglu_gemv(x, w), SiluAndMul()(torch.nn.functional.linear(x, w)))
+
+
 def test_empty_batches():
     w = torch.ones(16)
     assert fused.rms_norm(torch.empty(0, 16), w, 1e-6).shape == (0, 16)

@@ -163,35 +163,6 @@ def test_split_kv_mixed_batch(num_splits):
     torch.testing.assert_close(out, reference(q, keys, values, seqs, 0.125), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_that_stores_equals_store_then_attend(num_splits, dtype, bf16_rounds_to_nearest):
-    """With one query block per request the attention kernel rotates q and the new keys,
-    attends those from registers and stores them itself: the cache ends up as
-    rotate-and-store leaves it, and the output is that of attending after it, whichever
-    split the new keys fall into. A token that stores nowhere leaves its slot alone."""
-    from tidal.layers.rotary import RotaryEmbedding
-
-    rope = RotaryEmbedding(64, 512, 10000.0)
-    seqs = MIXED + [(130, 4), (33, 6), (30, 4), (62, 5)]  # the last two straddle a split edge
-    q, k, v, cache, batch, _, _ = make_case(seqs, 4, 2, 64, 16, dtype, seed=9)
-    cfg = AttentionConfig(block_m=16, block_n=32, num_splits=num_splits, num_warps=4, num_stages=2)
-    stored = cache.clone()
-    want = paged_attention(rotate_and_store(q, k, v, stored, batch, rope.cos_sin), stored, batch, 0.125, cfg)
-    fused = cache.clone()
-    out = paged_attention(q, fused, batch, 0.125, cfg, new_kv=(k, v), cos_sin=rope.cos_sin)
-    assert torch.equal(fused, stored)
-    torch.testing.assert_close(out, want, **tol(dtype))
-
-    skipped = batch.slot_mapping.clone()
-    skipped[[2, 12]] = -1
-    batch.slot_mapping.copy_(skipped)
-    fused = cache.clone()
-    paged_attention(q, fused, batch, 0.125, cfg, new_kv=(k, v), cos_sin=rope.cos_sin)
-    _, k_rot = rope(batch.positions, q, k)
-    assert torch.equal(fused, expected_cache(cache, k_rot, v, skipped))
-
-
 def test_store_skips_negative_slots():
     gen = torch.Generator().manual_seed(4)
     cache = torch.randn(2, 6, 16, 3, 64, generator=gen)

@@ -1,21 +1,16 @@
 """Triton paged attention (the GPU backend).
 
-Two kernels:
+Three kernels:
+- `_rotate_store_kernel` applies the rotary embedding to each token's q and k, and writes
+  its k/v into the paged cache at its slot (-1 = skip).
 - `_attention_kernel` attends a block of query tokens of one request over its keys, read
   through the page table. One kernel serves prefill, chunked extend, verification and
   decode: query lengths vary per request, attention is causal with the cached prefix
   visible. The query heads sharing a kv head are processed together (rows of the tile are
   (token, head) pairs), so K/V are loaded once per group. When there are too few programs
   to fill the GPU (decode, verification at small batch), the keys are split over several
-  programs (split-KV): each writes a partial output and its log-sum-exp, and the last of a
-  group to finish (an atomic count) merges them.
-- `_rotate_store_kernel` applies the rotary embedding to each token's q and k, and writes
-  its k/v into the paged cache at its slot (-1 = skip).
-
-When every request's query tokens fit one query block (decode, verification, short
-chunks) the attention kernel does the store's work too: it rotates q and the new keys in
-registers, attends the new keys from there, and the split holding a new key stores it. A
-batch-1 decode step then runs one attention kernel per layer instead of three.
+  programs (split-KV), each writing a partial output and its log-sum-exp.
+- `_combine_kernel` merges those partials.
 
 Grids and split counts come from host ints only (shapes, `batch.max_query_len`,
 `batch.max_seq_len`); every per-request length is read on the device, and scratch buffers
@@ -34,7 +29,6 @@ import triton
 import triton.language as tl
 
 from tidal.batch import ForwardBatch
-from tidal.layers.fused import arrival_counts
 from tidal.layers.rotary import RotaryEmbedding
 
 _LOG2E = 1.4426950408889634
@@ -119,45 +113,22 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
-def _load_rows(row_ptrs, offs_d, mask, cs_row_ptrs, ROTATE: tl.constexpr, HALF: tl.constexpr):
-    """Rows [R, 2 * HALF] at row_ptrs, rotated (neox) by the cos|sin rows at cs_row_ptrs
-    when ROTATE: x * cos + swap_halves(x) * (-sin | sin) in float32, which is
-    `_rotate_store_kernel`'s arithmetic written for whole rows, stored back in x's dtype."""
-    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-    if ROTATE:
-        half = offs_d % HALF
-        swapped = tl.load(row_ptrs[:, None] + ((offs_d + HALF) % (2 * HALF))[None, :], mask=mask[:, None], other=0.0)
-        cos = tl.load(cs_row_ptrs[:, None] + half[None, :], mask=mask[:, None], other=0.0)
-        sin = tl.load(cs_row_ptrs[:, None] + HALF + half[None, :], mask=mask[:, None], other=0.0)
-        sin = tl.where((offs_d < HALF)[None, :], -sin, sin)
-        x = (x.to(tl.float32) * cos + swapped.to(tl.float32) * sin).to(x.dtype)
-    return x
-
-
 # Runtime ints that change from step to step (split count, page-table width, token count
 # in scratch strides) are not specialised on: each new value class would compile another
 # kernel in the middle of a user's step.
-@triton.jit(do_not_specialize=["num_splits", "stride_table", "stride_ps", "stride_ls"])
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"])
 def _attention_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, slot_ptr,
-    cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
+    q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     qk_scale, num_splits,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_kv, stride_page, stride_slot, stride_head, stride_table,
-    stride_ot, stride_oh, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    stride_qt, stride_qh,
+    stride_kv, stride_page, stride_slot, stride_head, stride_pt,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-    NEW_KV: tl.constexpr, ROTATE: tl.constexpr, BLOCK_NEW: tl.constexpr,
 ):
     """Program (query block x split, request, kv head). Tile row r is query token
-    r // GROUP of the block with query head r % GROUP of this kv head's group.
-
-    Without NEW_KV, q is rotated and every key is in the cache. With NEW_KV (one query
-    block per request) q, k and v are this step's projections: q and the request's new
-    keys are rotated here (ROTATE), the new keys are attended from registers, and the
-    split whose key range holds a new key stores its k/v at its slot (-1 = skip)."""
+    r // GROUP of the block with query head r % GROUP of this kv head's group."""
     q_block = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
@@ -175,12 +146,8 @@ def _attention_kernel(
     head = kv_head * GROUP + rows % GROUP
     row_ok = (rows // GROUP < BLOCK_Q) & (tok < q_len)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_rows = q_ptr + (q_start + tok) * stride_qt + head * stride_qh
-    if NEW_KV:
-        pos = tl.load(pos_ptr + q_start + tok, mask=row_ok, other=0).to(tl.int64)
-        q = _load_rows(q_rows, offs_d, row_ok, cs_ptr + pos * stride_cs, ROTATE, HEAD_DIM // 2)
-    else:
-        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     # Keys [0, kv_end) are seen by some row of the block, [0, shared_end) by all of them.
     kv_end = ctx_len + tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len)
@@ -188,93 +155,52 @@ def _attention_kernel(
     split_len = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, kv_end)
-    cached_end = tl.minimum(end, ctx_len) if NEW_KV else end  # keys read from the cache
-    mid = tl.maximum(start, tl.minimum(cached_end, shared_end) // BLOCK_N * BLOCK_N)  # unmasked blocks end here
+    mid = tl.maximum(start, tl.minimum(end, shared_end // BLOCK_N * BLOCK_N))
 
     kv_ptr = cache_ptr + kv_head * stride_head
-    page_row_ptr = page_table_ptr + seq * stride_table
+    page_row_ptr = page_table_ptr + seq * stride_pt
     last_key = ctx_len + tok
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     for n0 in range(start, mid, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, cached_end, last_key, qk_scale,
+            acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
             stride_kv, stride_page, stride_slot, offs_d, PAGE_SIZE, BLOCK_N, False, PRECISION)
-    for n0 in range(mid, cached_end, BLOCK_N):
+    for n0 in range(mid, end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, cached_end, last_key, qk_scale,
+            acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
             stride_kv, stride_page, stride_slot, offs_d, PAGE_SIZE, BLOCK_N, True, PRECISION)
-    if NEW_KV:
-        if tl.maximum(start, ctx_len) < end:  # this split holds some of the new keys
-            new = tl.arange(0, BLOCK_NEW)
-            key = ctx_len + new
-            own = (new < q_len) & (key >= start) & (key < end)
-            token = q_start + new
-            new_pos = tl.load(pos_ptr + token, mask=own, other=0).to(tl.int64)
-            k = _load_rows(k_ptr + token * stride_kt + kv_head * stride_kh, offs_d, own,
-                           cs_ptr + new_pos * stride_cs, ROTATE, HEAD_DIM // 2)
-            v = tl.load(v_ptr + token[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                        mask=own[:, None], other=0.0)
-            slot = tl.load(slot_ptr + token, mask=own, other=-1)
-            stored = own & (slot >= 0)
-            dst = kv_ptr + (slot // PAGE_SIZE) * stride_page + (slot % PAGE_SIZE) * stride_slot
-            tl.store(dst[:, None] + offs_d[None, :], k, mask=stored[:, None])
-            tl.store(dst[:, None] + stride_kv + offs_d[None, :], v, mask=stored[:, None])
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            s = tl.where(own[None, :] & (key[None, :] <= last_key[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
 
     # A split may hold no key a row sees (l_i = 0): its partial is 0 with weight 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_off = (q_start + tok) * stride_ot + head * stride_oh
+    out_off = split * stride_os + (q_start + tok) * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
     if SPLIT:
-        _merge_splits(o, m_i, l_i, out_ptr, part_ptr, lse_ptr, count_ptr, out_off, tok, head, row_ok, offs_d,
-                      q_start, q_block, seq, kv_head, split, num_splits,
-                      stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, BLOCK_M, HEAD_DIM)
-    else:
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + split * stride_ls + (q_start + tok) * stride_lt + head, lse,
+                 mask=row_ok)
 
 
-@triton.jit
-def _merge_splits(o, m_i, l_i, out_ptr, part_ptr, lse_ptr, count_ptr, out_off, tok, head, row_ok, offs_d,
-                  q_start, q_block, seq, kv_head, split, num_splits,
-                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, BLOCK_M: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
-    """Write this split's partial and log-sum-exp; the last split of the (query block,
-    request, kv head) to arrive (an atomic count) merges them all, each weighted by
-    exp2(lse), and leaves the count at 0 for the next launch."""
-    part_off = (q_start + tok) * stride_pt + head * stride_ph
-    lse_off = (q_start + tok) * stride_lt + head
-    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(part_ptr + split * stride_ps + part_off[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
-    tl.store(lse_ptr + split * stride_ls + lse_off, lse, mask=row_ok)
-    tl.debug_barrier()  # every thread's partial is written before the count moves
-    group = (kv_head * tl.num_programs(1) + seq) * (tl.num_programs(0) // num_splits) + q_block
-    if tl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for other in range(0, num_splits):
-            top = tl.maximum(top, tl.load(lse_ptr + other * stride_ls + lse_off, mask=row_ok,
-                                          other=float("-inf"), cache_modifier=".cg"))
-        top = tl.where(top > float("-inf"), top, 0.0)
-        merged = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        weight = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for other in range(0, num_splits):
-            w = tl.exp2(tl.load(lse_ptr + other * stride_ls + lse_off, mask=row_ok, other=float("-inf"),
-                                cache_modifier=".cg") - top)
-            part = tl.load(part_ptr + other * stride_ps + part_off[:, None] + offs_d[None, :],
-                           mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-            merged += part * w[:, None]
-            weight += w
-        tl.store(out_ptr + out_off[:, None] + offs_d[None, :],
-                 (merged / tl.where(weight > 0, weight, 1.0)[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.atomic_xchg(count_ptr + group, 0)
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
+def _combine_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, head): weight each split's partial by exp2(lse)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = splits < num_splits
+    lse = tl.load(lse_ptr + splits * stride_ls + t * stride_lt + h, mask=ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + splits[:, None] * stride_ps + t * stride_pt + h * stride_ph
+                   + offs_d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -354,15 +280,9 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
 def paged_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
     config: AttentionConfig | None = None, out: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None, cos_sin: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of q [T, num_heads, head_dim] over each request's keys, written into
-    `out` (contiguous, q's shape and dtype) when given.
-
-    Without `new_kv`, q is rotated already and every key is in the cache (`rotate_and_store`).
-    With new_kv = (k, v), q, k and v are this step's projections: they are rotated by the
-    cos|sin table (None: no rotation) and k/v stored at batch.slot_mapping (-1 = skip) by the
-    attention kernel itself, which needs one query block per request."""
+    """Causal attention of q [T, num_heads, head_dim] over each request's cached keys,
+    written into `out` (contiguous, q's shape and dtype) when given."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, cache_head_dim = kv_cache.shape
     assert head_dim == cache_head_dim, f"q head_dim {head_dim} != cache head_dim {cache_head_dim}"
@@ -380,36 +300,36 @@ def paged_attention(
     group = num_heads // num_kv_heads
     cfg = config or choose_config(batch, num_heads, num_kv_heads, head_dim, q.dtype, q.device)
     block_q = cfg.block_m // group
-    q_blocks = triton.cdiv(batch.max_query_len, block_q)
-    k, v = new_kv if new_kv is not None else (q, q)  # unread without new_kv
-    rotate = new_kv is not None and cos_sin is not None
-    cs = cos_sin if rotate else q  # unread without a rotation
-    if new_kv is not None:
-        assert q_blocks == 1, f"new_kv needs one query block per request ({batch.max_query_len} > {block_q} tokens)"
-        assert k.dtype == v.dtype == q.dtype and k.stride(-1) == v.stride(-1) == 1
-        assert not rotate or (cos_sin.dtype == torch.float32 and cos_sin.stride(-1) == 1)
     split = cfg.num_splits > 1
     if split:
-        part = torch.empty((cfg.num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((cfg.num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
-        counts = arrival_counts(q.device, q_blocks * batch.num_seqs * num_kv_heads)
+        part = torch.empty((cfg.num_splits, num_tokens, num_heads, head_dim),
+                           dtype=torch.float32, device=q.device)
+        lse = torch.empty((cfg.num_splits, num_tokens, num_heads), dtype=torch.float32,
+                          device=q.device)
+        dst = part
     else:
-        part, lse, counts = out, out, out  # unread without splits
-    _attention_kernel[(q_blocks * cfg.num_splits, batch.num_seqs, num_kv_heads)](
-        q, k, v, batch.positions, cs, batch.slot_mapping,
-        kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, out, part, lse, counts,
+        dst, lse = out.unsqueeze(0), out  # lse is unused without splits
+    grid = (triton.cdiv(batch.max_query_len, block_q) * cfg.num_splits, batch.num_seqs,
+            num_kv_heads)
+    _attention_kernel[grid](
+        q, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, dst, lse,
         scale * _LOG2E, cfg.num_splits,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cs.stride(0),
+        q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         batch.page_table.stride(0),
-        out.stride(0), out.stride(1), part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1),
+        dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_Q=block_q, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        NEW_KV=new_kv is not None, ROTATE=rotate, BLOCK_NEW=max(16, _next_pow2(batch.max_query_len)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split:
+        _combine_kernel[(num_tokens, num_heads)](
+            part, lse, out, cfg.num_splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(cfg.num_splits),
+        )
     return out
 
 
@@ -423,10 +343,5 @@ class TritonAttention:
         batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cos_sin = None if rotary is None else rotary.cos_sin
-        num_heads, num_kv_heads = q.shape[1], k.shape[1]
-        cfg = choose_config(batch, num_heads, num_kv_heads, q.shape[2], q.dtype, q.device)
-        if cfg.block_m // (num_heads // num_kv_heads) >= batch.max_query_len:  # one query block per request
-            return paged_attention(q, kv_cache, batch, scale, cfg, out, new_kv=(k, v), cos_sin=cos_sin)
-        q = rotate_and_store(q, k, v, kv_cache, batch, cos_sin)
-        return paged_attention(q, kv_cache, batch, scale, cfg, out)
+        q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
+        return paged_attention(q, kv_cache, batch, scale, out=out)

@@ -2,10 +2,12 @@
 
 At batch 1 a decode step is dominated by launch count, so RMSNorm (+ residual add),
 the rotary embedding (for the torch attention backend; the Triton one rotates as it stores
-k/v) and SiluAndMul each run as one kernel here instead of several eager torch kernels. Each matches the torch code of its module: same dtype promotion,
-same roundings (e.g. the residual sum is rounded to the input dtype before the norm).
-Grids and outputs depend on shapes only, so all three are CUDA-graph capturable.
-Outputs are fresh contiguous tensors; inputs are never modified.
+k/v) and SiluAndMul each run as one kernel here instead of several eager torch kernels, and
+at one token the MLP's gate/up product and its SwiGLU are one kernel. Each matches the
+torch code of its module: same dtype promotion, same roundings (e.g. the residual sum is
+rounded to the input dtype before the norm). Grids and outputs depend on shapes only, so
+all of them are CUDA-graph capturable. Outputs are fresh contiguous tensors; inputs are
+never modified.
 
 Sampling's exponential race hashes its uniforms inside the kernel that reads the weights,
 instead of a dozen eager passes over an [N, V] int64 tensor of hashes; the same kernel, with
@@ -177,6 +179,56 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
         x2, o2, x2.stride(0), x2.stride(1), o2.stride(0), inter,
         BLOCK=block, num_warps=_num_warps(block),
+    )
+    return out
+
+
+@triton.jit
+def _swiglu_gemv_kernel(x_ptr, w_ptr, out_ptr, K, I, stride_w,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Program n, for its BLOCK_N indices i: out[i] = silu(g_i) * u_i with g = W[:I] x and
+    u = W[I:] x, each rounded to x's dtype first, as the gate/up product followed by
+    SiluAndMul rounds them. Each program streams its rows of W once, in float32 FMAs."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < I
+    gate_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    up_ptrs = gate_ptrs + I.to(tl.int64) * stride_w
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            mask = n_ok[:, None]
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+        else:
+            k_ok = k0 + rk < K
+            mask = n_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        acc_gate += tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+        acc_up += tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rn, (act * up).to(dtype), mask=n_ok)
+
+
+_SWIGLU_BLOCK_N = 4  # 8 weight rows per program, as the fastest skinny product at one token (run34)
+_SWIGLU_BLOCK_K = 512
+
+
+def swiglu_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiluAndMul(F.linear(x, weight)) for one token x [1, K] and a fused [gate | up] weight
+    [2I, K], in one kernel: at batch 1 a decode step is a chain of small launches, and this
+    takes the SwiGLU's out of it. Equal to the two-step result up to the order in which the
+    products are summed."""
+    assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    k, inter = x.shape[1], weight.shape[0] // 2
+    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
+    block_k = min(_SWIGLU_BLOCK_K, triton.next_power_of_2(k))
+    _swiglu_gemv_kernel[(triton.cdiv(inter, _SWIGLU_BLOCK_N),)](
+        x, weight, out, k, inter, weight.stride(0),
+        BLOCK_N=_SWIGLU_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
     )
     return out
 
