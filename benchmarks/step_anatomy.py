@@ -8,9 +8,9 @@ Four questions, each answered side by side in one run:
   verification at K = 4) through cuBLAS (`F.linear`) against Triton skinny-GEMM variants:
   outputs checked against float32, then 32 layers' worth (distinct weights, 14 GB) replayed
   from one CUDA graph per variant, so launch gaps and caches are as in a decode step;
-- swiglu: at one token, the gate/up product then `fused.silu_and_mul` (what every larger
-  batch runs) against `fused.swiglu_gemv` (one kernel) and its block sizes, 32 layers from
-  one graph, outputs checked against the two-step result;
+- gemv: at one token, each layer's norm and qkv product, and its norm, gate/up product and
+  SwiGLU, as separate kernels against `fused.norm_gemv` fusing them (by block sizes), 32
+  layers from one graph, outputs checked against the unfused;
 - argmax: `fused.argmax` against torch's at 1, 5 and 256 rows of a 128k vocabulary;
 - attention splits: batch-1 decode attention (store + attention + combine) at 300, 1,000
   and 4,000 keys with 1 to 32 key splits, 32 calls replayed from a graph;
@@ -165,36 +165,42 @@ def weights_section(shape, device, smoke):
     return out
 
 
-def swiglu_section(shape, device, smoke):
+GEMV_BLOCKS = ((1, 512), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 512))
+
+
+def gemv_section(shape, device, smoke):
+    """One token, 32 layers from one graph: each layer's norm and qkv product, and its norm,
+    gate/up product and SwiGLU, as separate kernels (norm, cuBLAS, SwiGLU) against
+    `fused.norm_gemv` fusing them, by block sizes; outputs checked against the unfused."""
     from tidal.layers import fused
 
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    dtype = torch.float32 if smoke else torch.bfloat16
-    torch.manual_seed(0)
-    weights = [torch.randn(2 * inter, h, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
-    x = torch.randn(1, h, device=device, dtype=dtype)
-    want = fused.silu_and_mul(F.linear(x, weights[0])).float() if device == "cuda" else None
+    qkv_size = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * shape["head_dim"]
     out = {}
     if smoke:
         return out
+    dtype, eps = torch.bfloat16, 1e-5
+    torch.manual_seed(0)
+    x, residual = torch.randn(1, h, device=device, dtype=dtype), torch.randn(1, h, device=device, dtype=dtype)
+    norm_w = torch.rand(h, device=device, dtype=dtype) + 0.5
+    for name, n, gated in (("qkv", qkv_size, False), ("gate_up", 2 * inter, True)):
+        weights = [torch.randn(n, h, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
 
-    def two_step():
-        for w in weights:
-            fused.silu_and_mul(F.linear(x, w))
-    out["two_step_ms"] = graph_ms(two_step)
-    default = (fused._SWIGLU_BLOCK_N, fused._SWIGLU_BLOCK_K)
-    for block_n, block_k in ((2, 512), (4, 256), (4, 512), (8, 256), (8, 512)):
-        fused._SWIGLU_BLOCK_N, fused._SWIGLU_BLOCK_K = block_n, block_k
-        got = fused.swiglu_gemv(x, weights[0]).float()
-        out[f"err_{block_n}x{block_k}"] = ((got - want).norm() / want.norm()).item()
-
-        def one_kernel():
-            for w in weights:
-                fused.swiglu_gemv(x, w)
-        out[f"fused_{block_n}x{block_k}_ms"] = graph_ms(one_kernel)
-    fused._SWIGLU_BLOCK_N, fused._SWIGLU_BLOCK_K = default
-    out["default"] = f"{default[0]}x{default[1]}"
-    del weights
+        def unfused(w):
+            y = F.linear(fused.rms_norm(x, norm_w, eps, residual)[0], w)
+            return fused.silu_and_mul(y) if gated else y
+        want = unfused(weights[0]).float()
+        out[f"{name} unfused ms"] = graph_ms(lambda: [unfused(w) for w in weights])
+        for bn, bk in GEMV_BLOCKS:
+            got = fused.norm_gemv(x, weights[0], (residual, norm_w, eps), gated, bn, bk)[0].float()
+            out[f"{name} one kernel {bn}x{bk} err"] = ((got - want).norm() / want.norm()).item()
+            out[f"{name} one kernel {bn}x{bk} ms"] = graph_ms(
+                lambda bn=bn, bk=bk: [fused.norm_gemv(x, w, (residual, norm_w, eps), gated, bn, bk) for w in weights])
+            if gated:
+                out[f"{name} norm, then one kernel {bn}x{bk} ms"] = graph_ms(lambda bn=bn, bk=bk: [
+                    fused.norm_gemv(fused.rms_norm(x, norm_w, eps, residual)[0], w, None, True, bn, bk)
+                    for w in weights])
+        del weights
     return out
 
 
@@ -333,7 +339,7 @@ def main():
                "triton": triton.__version__}
     sections = {"argmax": lambda: argmax_section(shape["vocab_size"], device, args.smoke),
                 "splits": lambda: splits_section(shape, device, args.smoke),
-                "swiglu": lambda: swiglu_section(shape, device, args.smoke),
+                "gemv": lambda: gemv_section(shape, device, args.smoke),
                 "weights": lambda: weights_section(shape, device, args.smoke)}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), shape)
@@ -353,9 +359,9 @@ def main():
     for ctx, row in results["splits"].items():
         print(f"  ctx {ctx:>5} (default {row['default_splits']}): " + "  ".join(
             f"{s}: {row.get(f'us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
-    print("gate/up product + SwiGLU at one token, 32 layers from one graph (ms), relative error:")
-    for label, value in results["swiglu"].items():
-        print(f"  {label:<24} {value:.3g}" if isinstance(value, float) else f"  {label:<24} {value}")
+    print("one token, 32 layers from one graph: norm + product (+ SwiGLU), unfused against one kernel (ms, err):")
+    for label, value in results["gemv"].items():
+        print(f"  {label:<40} {value:.3g}")
     w = results["weights"]
     print("weight products, 32 layers from one graph (ms), worst relative error:")
     for label, ms in sorted(w["chain_ms"].items(), key=lambda kv: kv[1]):

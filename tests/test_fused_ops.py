@@ -106,15 +106,26 @@ def test_silu_and_mul(dtype, tokens, inter):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden, inter", [(96, 37), (1000, 130)])
-def test_swiglu_gemv_is_the_product_then_silu_and_mul(dtype, hidden, inter):
-    """One token's gate/up product and SwiGLU in one kernel: the two-step result, rounded
-    the same way (a hidden size that is not a multiple of the block, a last block of rows
-    half full)."""
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_norm_gemv_is_the_unfused_chain(dtype, norm, gated):
+    """One token's product in one kernel, with the RMSNorm of x + residual before it and
+    the SwiGLU after it or not: the unfused modules' result, rounded the same way (an
+    output count that leaves the last block of rows half full); the sum is the residual."""
     torch.manual_seed(0)
-    x = torch.randn(1, hidden, dtype=dtype)
-    w = (torch.randn(2 * inter, hidden) / hidden ** 0.5).to(dtype)
-    close(fused.swiglu_gemv(x, w), SiluAndMul()(torch.nn.functional.linear(x, w)))
+    hidden, n = 128, 37
+    x, residual = torch.randn(1, hidden, dtype=dtype), torch.randn(1, hidden, dtype=dtype)
+    w = (torch.randn(2 * n if gated else n, hidden) / hidden ** 0.5).to(dtype)
+    rms = RMSNorm(hidden, 1e-5).to(dtype)
+    rms.weight.data = torch.rand(hidden).to(dtype) + 0.5
+    normed, total = rms(x, residual) if norm else (x, None)
+    want = torch.nn.functional.linear(normed, w)
+    want = SiluAndMul()(want) if gated else want
+    got = fused.norm_gemv(x, w, (residual, rms.weight, 1e-5) if norm else None, gated=gated, block_k=32)
+    if norm:
+        got, got_total = got
+        assert torch.equal(got_total, total)
+    close(got, want)
 
 
 def test_empty_batches():

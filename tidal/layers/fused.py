@@ -184,53 +184,71 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_gemv_kernel(x_ptr, w_ptr, out_ptr, K, I, stride_w,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """Program n, for its BLOCK_N indices i: out[i] = silu(g_i) * u_i with g = W[:I] x and
-    u = W[I:] x, each rounded to x's dtype first, as the gate/up product followed by
-    SiluAndMul rounds them. Each program streams its rows of W once, in float32 FMAs."""
+def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, out_ptr, sum_ptr, K, N, stride_w, eps,
+                      NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One token's product with W [N (x2 when GATED), K], program n for its BLOCK_N outputs,
+    streaming its rows of W once in float32 FMAs. With NORM the input is first
+    RMSNorm(x + residual), rounded as `rms_norm` rounds it (program 0 also writes the sum,
+    the next residual); every program computes the norm's scale itself, so no kernel runs
+    before it. With GATED, W is [gate | up] and the output silu(g) * u, g and u rounded to
+    the output dtype first, as the product followed by SiluAndMul rounds them. K must be a
+    multiple of BLOCK_K."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < I
-    gate_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    up_ptrs = gate_ptrs + I.to(tl.int64) * stride_w
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            mask = n_ok[:, None]
-            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
-        else:
-            k_ok = k0 + rk < K
-            mask = n_ok[:, None] & k_ok[None, :]
-            x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-        acc_gate += tl.load(gate_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
-        acc_up += tl.load(up_ptrs + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
+    n_ok = rn < N
     dtype = out_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)
-    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rn, (act * up).to(dtype), mask=n_ok)
+    if NORM:
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            s = (tl.load(x_ptr + k0 + rk).to(tl.float32) + tl.load(res_ptr + k0 + rk).to(tl.float32)).to(dtype)
+            squares += s.to(tl.float32) * s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if GATED:
+        up_rows = rows + N.to(tl.int64) * stride_w
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if NORM:
+            s = (tl.load(x_ptr + k0 + rk).to(tl.float32) + tl.load(res_ptr + k0 + rk).to(tl.float32)).to(dtype)
+            if tl.program_id(0) == 0:
+                tl.store(sum_ptr + k0 + rk, s)
+            h = (s.to(tl.float32) * rstd).to(dtype).to(tl.float32)
+            x = (tl.load(norm_w_ptr + k0 + rk).to(tl.float32) * h).to(dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
+        acc += tl.load(rows + k0, mask=n_ok[:, None], other=0.0).to(tl.float32) * x[None, :]
+        if GATED:
+            acc_up += tl.load(up_rows + k0, mask=n_ok[:, None], other=0.0).to(tl.float32) * x[None, :]
+    out = tl.sum(acc, axis=1).to(dtype)
+    if GATED:
+        gate = out.to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+        out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+    tl.store(out_ptr + rn, out, mask=n_ok)
 
 
-_SWIGLU_BLOCK_N = 4  # 8 weight rows per program, as the fastest skinny product at one token (run34)
-_SWIGLU_BLOCK_K = 512
-
-
-def swiglu_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SiluAndMul(F.linear(x, weight)) for one token x [1, K] and a fused [gate | up] weight
-    [2I, K], in one kernel: at batch 1 a decode step is a chain of small launches, and this
-    takes the SwiGLU's out of it. Equal to the two-step result up to the order in which the
-    products are summed."""
-    assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
-    k, inter = x.shape[1], weight.shape[0] // 2
-    out = torch.empty(1, inter, dtype=x.dtype, device=x.device)
-    block_k = min(_SWIGLU_BLOCK_K, triton.next_power_of_2(k))
-    _swiglu_gemv_kernel[(triton.cdiv(inter, _SWIGLU_BLOCK_N),)](
-        x, weight, out, k, inter, weight.stride(0),
-        BLOCK_N=_SWIGLU_BLOCK_N, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
+def norm_gemv(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+              gated: bool = False, block_n: int = 2, block_k: int = 512):
+    """One token x [1, K] times weight^T in one kernel: F.linear(x, weight), or with
+    norm = (residual, norm weight, eps) F.linear(RMSNorm(x + residual), weight), returning
+    (output, x + residual); with `gated`, weight is [gate | up] and the output is
+    SiluAndMul of the product. At batch 1 a decode step is a chain of small launches: this
+    takes the norm's and the SwiGLU's out of it. Equal to the unfused result up to the
+    order in which the products are summed."""
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    k = x.shape[1]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    block_k = min(block_k, triton.next_power_of_2(k))
+    assert k % block_k == 0, f"hidden size {k} must be a multiple of {block_k}"
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual, norm_weight, eps = norm if norm is not None else (x, x, 0.0)
+    total = torch.empty_like(x) if norm is not None else out
+    _norm_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, residual, norm_weight, weight, out, total, k, n, weight.stride(0), eps,
+        NORM=norm is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4,
     )
-    return out
+    return out if norm is None else (out, total)
 
 
 # ---------------------------------------------------------------------------- sampling
