@@ -8,9 +8,9 @@ Four questions, each answered side by side in one run:
   verification at K = 4) through cuBLAS (`F.linear`) against Triton skinny-GEMM variants:
   outputs checked against float32, then 32 layers' worth (distinct weights, 14 GB) replayed
   from one CUDA graph per variant, so launch gaps and caches are as in a decode step;
-- gemv: at one token, each layer's norm and qkv product, and its norm, gate/up product and
-  SwiGLU, as separate kernels against `fused.norm_gemv` fusing them (by block sizes), 32
-  layers from one graph, outputs checked against the unfused;
+- gemv: at one token, each decoder product through cuBLAS (gate/up followed by the SwiGLU
+  kernel) against `fused.gemv` (gate/up and SwiGLU in one kernel) by block sizes, 32 layers
+  from one graph, outputs checked against cuBLAS's;
 - argmax: `fused.argmax` against torch's at 1, 5 and 256 rows of a 128k vocabulary;
 - attention splits: batch-1 decode attention (store + attention + combine) at 300, 1,000
   and 4,000 keys with 1 to 32 key splits, 32 calls replayed from a graph;
@@ -165,41 +165,38 @@ def weights_section(shape, device, smoke):
     return out
 
 
-GEMV_BLOCKS = ((1, 512), (2, 512), (2, 1024), (4, 256), (4, 512), (8, 512))
+GEMV_BLOCKS = ((1, 512), (1, 1024), (2, 512), (2, 1024), (4, 512), (4, 1024))
 
 
 def gemv_section(shape, device, smoke):
-    """One token, 32 layers from one graph: each layer's norm and qkv product, and its norm,
-    gate/up product and SwiGLU, as separate kernels (norm, cuBLAS, SwiGLU) against
-    `fused.norm_gemv` fusing them, by block sizes; outputs checked against the unfused."""
+    """One token, 32 layers from one graph: each decoder product through cuBLAS (the gate/up
+    one followed by `fused.silu_and_mul`) against `fused.gemv` (gated for gate/up), by
+    block sizes; outputs checked against cuBLAS's."""
     from tidal.layers import fused
 
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    qkv_size = (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * shape["head_dim"]
+    q_size = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
     out = {}
     if smoke:
         return out
-    dtype, eps = torch.bfloat16, 1e-5
+    dtype = torch.bfloat16
     torch.manual_seed(0)
-    x, residual = torch.randn(1, h, device=device, dtype=dtype), torch.randn(1, h, device=device, dtype=dtype)
-    norm_w = torch.rand(h, device=device, dtype=dtype) + 0.5
-    for name, n, gated in (("qkv", qkv_size, False), ("gate_up", 2 * inter, True)):
-        weights = [torch.randn(n, h, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
+    for name, (n, k), gated in (("qkv", (q_size + 2 * kv, h), False), ("o", (h, q_size), False),
+                                ("gate_up", (2 * inter, h), True), ("down", (h, inter), False)):
+        x = torch.randn(1, k, device=device, dtype=dtype)
+        weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
 
-        def unfused(w):
-            y = F.linear(fused.rms_norm(x, norm_w, eps, residual)[0], w)
+        def cublas(w):
+            y = F.linear(x, w)
             return fused.silu_and_mul(y) if gated else y
-        want = unfused(weights[0]).float()
-        out[f"{name} unfused ms"] = graph_ms(lambda: [unfused(w) for w in weights])
+        want = cublas(weights[0]).float()
+        out[f"{name} cublas ms"] = graph_ms(lambda: [cublas(w) for w in weights])
         for bn, bk in GEMV_BLOCKS:
-            got = fused.norm_gemv(x, weights[0], (residual, norm_w, eps), gated, bn, bk)[0].float()
-            out[f"{name} one kernel {bn}x{bk} err"] = ((got - want).norm() / want.norm()).item()
-            out[f"{name} one kernel {bn}x{bk} ms"] = graph_ms(
-                lambda bn=bn, bk=bk: [fused.norm_gemv(x, w, (residual, norm_w, eps), gated, bn, bk) for w in weights])
-            if gated:
-                out[f"{name} norm, then one kernel {bn}x{bk} ms"] = graph_ms(lambda bn=bn, bk=bk: [
-                    fused.norm_gemv(fused.rms_norm(x, norm_w, eps, residual)[0], w, None, True, bn, bk)
-                    for w in weights])
+            got = fused.gemv(x, weights[0], gated, bn, bk).float()
+            out[f"{name} gemv {bn}x{bk} err"] = ((got - want).norm() / want.norm()).item()
+            out[f"{name} gemv {bn}x{bk} ms"] = graph_ms(
+                lambda bn=bn, bk=bk: [fused.gemv(x, w, gated, bn, bk) for w in weights])
         del weights
     return out
 
@@ -330,6 +327,7 @@ def mixed_section(model_dir, device, smoke):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--only", nargs="*", help="run these sections only (argmax, splits, gemv, weights, mixed)")
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     shape = SMOKE if args.smoke else LLAMA_8B
@@ -345,6 +343,8 @@ def main():
         model_dir = write_model_dir(Path(tmp), shape)
         sections["mixed"] = lambda: mixed_section(model_dir, device, args.smoke)
         for name, fn in sections.items():
+            if args.only and name not in args.only:
+                continue
             t = time.perf_counter()
             results[name] = fn()
             print(f"[{name}] {time.perf_counter() - t:.1f}s", flush=True)
@@ -352,24 +352,29 @@ def main():
                 torch.cuda.empty_cache()
     (out_dir / "step_anatomy.json").write_text(json.dumps(results, indent=1, default=str))
 
-    print("\nargmax (equal, torch us, fused us):")
-    for n, row in results["argmax"].items():
-        print(f"  {n:>4} rows  {row['equal']}  {row.get('torch_us', float('nan')):7.1f}  {row.get('fused_us', float('nan')):7.1f}")
-    print("attention, batch-1 decode, us per layer by key splits (default from max_model_len 2048):")
-    for ctx, row in results["splits"].items():
-        print(f"  ctx {ctx:>5} (default {row['default_splits']}): " + "  ".join(
-            f"{s}: {row.get(f'us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
-    print("one token, 32 layers from one graph: norm + product (+ SwiGLU), unfused against one kernel (ms, err):")
-    for label, value in results["gemv"].items():
-        print(f"  {label:<40} {value:.3g}")
-    w = results["weights"]
-    print("weight products, 32 layers from one graph (ms), worst relative error:")
-    for label, ms in sorted(w["chain_ms"].items(), key=lambda kv: kv[1]):
-        print(f"  {label:<40} {ms:7.3f}  {w['check'][label]:.1e}")
-    print("mixed steps (ms; piecewise = graphs around eager attention):")
-    for label, row in results["mixed"].items():
-        print(f"  {label:<40} {row}")
-
+    if "argmax" in results:
+        print("\nargmax (equal, torch us, fused us):")
+        for n, row in results["argmax"].items():
+            print(f"  {n:>4} rows  {row['equal']}  {row.get('torch_us', float('nan')):7.1f}  "
+                  f"{row.get('fused_us', float('nan')):7.1f}")
+    if "splits" in results:
+        print("attention, batch-1 decode, us per layer by key splits (default from max_model_len 2048):")
+        for ctx, row in results["splits"].items():
+            print(f"  ctx {ctx:>5} (default {row['default_splits']}): " + "  ".join(
+                f"{s}: {row.get(f'us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
+    if "gemv" in results:
+        print("one token, 32 layers from one graph: cuBLAS (+ SwiGLU) against fused.gemv (ms, err):")
+        for label, value in results["gemv"].items():
+            print(f"  {label:<40} {value:.3g}")
+    if "weights" in results:
+        w = results["weights"]
+        print("weight products, 32 layers from one graph (ms), worst relative error:")
+        for label, ms in sorted(w["chain_ms"].items(), key=lambda kv: kv[1]):
+            print(f"  {label:<40} {ms:7.3f}  {w['check'][label]:.1e}")
+    if "mixed" in results:
+        print("mixed steps (ms; piecewise = graphs around eager attention):")
+        for label, row in results["mixed"].items():
+            print(f"  {label:<40} {row}")
 
 if __name__ == "__main__":
     main()
