@@ -22,7 +22,8 @@ def test_gpu_fastpath_smoke(tmp_path):
     results = json.loads((tmp_path / "gpu_fastpath.json").read_text())
     assert not results.get("errors"), results.get("errors")
     speed = results["speed"]
-    assert speed["plain_b1"]["tokens"] > 0 and speed["eagle3_sim08_k4_b1"]["spec"]["num_drafted"] > 0
+    assert speed["plain_b1"]["tokens"] > 0
+    assert speed["eagle3_sim08_k4_b1"]["spec_first_request"]["num_drafted"] > 0
     assert 0 < speed["scheduler_overhead"]["fraction"] < 1
 
 

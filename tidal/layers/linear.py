@@ -31,10 +31,15 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def one_token_on_cuda(x: torch.Tensor) -> bool:
+    """Whether x [T, in] is a single contiguous token on CUDA (a batch-1 decode), whose
+    products run `fused.gemv`: it beats cuBLAS there (run46)."""
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, in] @ weight^T. One token on CUDA (a batch-1 decode) runs `fused.gemv`, which
-    beats cuBLAS there; everything else is cuBLAS's."""
-    if x.is_cuda and x.shape[0] == 1 and x.dim() == 2:
+    """x [T, in] @ weight^T: `fused.gemv` for one token on CUDA, cuBLAS otherwise."""
+    if one_token_on_cuda(x):
         from tidal.layers import fused
 
         return fused.gemv(x, weight)

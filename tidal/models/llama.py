@@ -14,7 +14,7 @@ from torch import nn
 from tidal.attention.base import AttentionBackend
 from tidal.batch import ForwardBatch
 from tidal.layers.activation import SiluAndMul
-from tidal.layers.linear import Linear, MergedColumnLinear, RowLinear
+from tidal.layers.linear import Linear, MergedColumnLinear, RowLinear, one_token_on_cuda
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
@@ -66,8 +66,8 @@ class MLP(nn.Module):
         self.down_proj = RowLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.shape[0] == 1 and self.gate_up_proj.bias is None:
-            from tidal.layers import fused  # one token: the product and the SwiGLU in one kernel
+        if one_token_on_cuda(x):
+            from tidal.layers import fused  # the product and the SwiGLU in one kernel
 
             return self.down_proj(fused.gemv(x, self.gate_up_proj.weight, gated=True))
         return self.down_proj(self.act(self.gate_up_proj(x)))
