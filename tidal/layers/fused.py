@@ -270,7 +270,7 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
 
 @triton.jit
 def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, count_ptr, stride, V, BLOCKS_PER_SPLIT,
-                       BLOCK: tl.constexpr, RACE: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                       BLOCK: tl.constexpr, RACE: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr):
     """Program (row, split): the first v in the split's blocks with the largest score, where
     the score is x[v] itself, or with RACE the exponential race's x[v] / -log(u(key, v)),
     u being `sampler`'s uniform of the row's key and vocabulary index v; one pass over x.
@@ -295,7 +295,7 @@ def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, count_ptr,
         first = tl.min(tl.where(x == top, v, V), axis=0)
         best_index = tl.where(top > best, first, best_index)
         best = tl.maximum(top, best)
-    if SPLITS_PAD == 1:
+    if not SPLIT:
         tl.store(out_ptr + row, best_index.to(tl.int64))
     else:
         splits = tl.num_programs(1)
@@ -335,9 +335,11 @@ def _first_best(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
         best, index, counts = out, out, out  # unread with one split
     race = keys is not None
     keys = keys.expand(n).contiguous() if race else x  # unread without the race
+    # The padding is the most splits this vocabulary can have, so that a new row count does
+    # not compile another kernel in the middle of serving.
     _first_best_kernel[(n, splits)](x, keys, best, index, out, counts, x.stride(0), v, per_split,
-                                    BLOCK=_BEST_BLOCK, RACE=race, SPLITS_PAD=triton.next_power_of_2(splits),
-                                    num_warps=8)
+                                    BLOCK=_BEST_BLOCK, RACE=race, SPLIT=splits > 1,
+                                    SPLITS_PAD=triton.next_power_of_2(min(blocks, _BEST_PROGRAMS)), num_warps=8)
     return out
 
 
@@ -354,7 +356,7 @@ def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _first_best(probs, keys)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_seed0", "s_seed1", "s_count0", "s_count1", "C", "N"])  # no compiles mid-serving
 def _row_keys_kernel(seeds_ptr, counters_ptr, out_ptr, s_seed0, s_seed1, s_count0, s_count1, C, N, stream_key,
                      UNIT: tl.constexpr, BLOCK: tl.constexpr):
     """`sampler._row_keys` (or, with UNIT, `sampler.hash_uniform`) of element i of a [N / C, C]
