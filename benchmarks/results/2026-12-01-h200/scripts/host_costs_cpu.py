@@ -6,7 +6,13 @@
 
     PYTHONPATH=.:benchmarks:tests python benchmarks/results/2026-12-01-h200/scripts/host_costs_cpu.py
     (from the repository root; put another tree's `tidal` first on PYTHONPATH to measure it)
+
+With `--profile B` it profiles `choose` at B requests instead (cProfile of 200 calls after
+the same learning), to show where its time goes.
 """
+import argparse
+import cProfile
+import pstats
 import random
 import statistics
 import tempfile
@@ -23,12 +29,31 @@ from tidal.spec.policy import Fixed, Goodput
 
 import tidal
 
-print("tidal from", Path(tidal.__file__).parent)
-for b in (1, 10, 64, 256):
+
+def learned_goodput(b):
+    """Goodput after 20 steps of b requests, under a cost model that makes K = 4 pay."""
     policy = Goodput(CostModel.from_function(lambda bb, w: 0.005 + 1e-6 * bb * w, *grid_axes(256, 4)), 4)
     reqs, rng = make_requests(b), random.Random(0)
     for _ in range(20):
         step(policy, reqs, [0.8] * b, rng, 4)
+    return policy, reqs
+
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--profile", type=int, metavar="B", help="profile choose at B requests instead")
+args = ap.parse_args()
+print("tidal from", Path(tidal.__file__).parent)
+if args.profile:
+    policy, reqs = learned_goodput(args.profile)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(200):
+        policy.choose(reqs, [4] * args.profile, 0)
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(18)
+    raise SystemExit
+for b in (1, 10, 64, 256):
+    policy, reqs = learned_goodput(b)
     times = []
     for _ in range(300):
         t = time.perf_counter()
