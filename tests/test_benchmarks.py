@@ -33,6 +33,7 @@ def test_policy_sweep_smoke(tmp_path):
     assert len(results["table"]) == 6  # two acceptance levels x (c = 1, c = 4, bursty)
     for row in results["table"]:
         assert all(row[name] > 0 for name in ("off", "fixed:1", "fixed:2", "fixed:4", "goodput"))
+    assert all(r["prefix_hit_pages"] == 0 for runs in results["runs"].values() for r in runs)  # no cell reuses a prompt
     for acc in ("0.6", "0.8"):
         lines = (tmp_path / f"decisions_a{acc}.jsonl").read_text().splitlines()
         assert lines and {"k", "predicted_s", "observed_s"} <= set(json.loads(lines[-1]))

@@ -110,6 +110,26 @@ def test_requests_that_accept_more_draft_more():
     assert ks == [K, 0]
 
 
+def test_a_near_tie_goes_to_k0():
+    """Drafts the cost model makes barely worth it (under 2% more tokens a second, all of
+    them accepted) are not taken, since a drafting step is priced `draft_premium` above the
+    model; without the premium the same requests draft."""
+    learned, rng = Goodput(nearly_free(), K), random.Random(0)
+    reqs = make_requests(16)
+    for _ in range(30):
+        step(learned, reqs, [1.0] * 16, rng)
+    near_tie = cost(lambda b, w: 0.010 * (1 + 0.97 * (w - 1)))  # a draft costs 97% of a decode
+
+    def drafts(premium):
+        """Drafts chosen beyond the one-token probes."""
+        policy = Goodput(near_tie, K, draft_premium=premium)
+        policy.acceptance = learned.acceptance
+        ks = policy.choose(reqs, [K] * 16, 0)
+        return sum(ks) - len(ks.note.log["probes"])
+    assert drafts(0.03) == 0
+    assert drafts(0.0) >= 16
+
+
 def flip_rate(hysteresis, steps=200):
     policy, rng = Goodput(roofline(64), K, hysteresis=hysteresis), random.Random(1)
     reqs = make_requests(16)
