@@ -130,11 +130,13 @@ class Goodput:
         wait for the step's budget, though: the batch is still growing, and drafting that
         pays at this load may not at the one to come, so the catch-up is charged in full.
 
-    A step that drafts is priced `draft_premium` above what the cost model says: drafting
-    costs more than its own steps show (at 250 clients and acceptance 0.8, fixed K = 1's
-    decode steps made 15% more tokens a second than off's, yet its closed loop only matched
-    off's: run48), and the acceptance estimates that make a draft look worth it are noisy.
-    A near tie thus goes to K = 0, whose price is exact.
+    The time a step's drafts add to it is priced `draft_premium` above the cost model's
+    figure: drafting costs more than its own steps show (at 250 clients and acceptance 0.8,
+    fixed K = 1's decode steps made 15% more tokens a second than off's, yet its closed loop
+    only matched off's: run48), and the acceptance estimates that make a draft look worth
+    it are noisy. A near tie thus goes to K = 0, whose price is exact. Only the drafts' own
+    time is taxed: a premium on the whole step also taxed the prompt tokens sharing it, and
+    at 70 clients goodput stopped drafting beside prompts (run50).
 
     The previous decision is kept unless the new one is better by `hysteresis`, and a
     request at K = 0 drafts one token now and then (a probe, see `_probe`), so that its
@@ -144,7 +146,7 @@ class Goodput:
     name = "goodput"
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
-                 demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, draft_premium: float = 0.03,
+                 demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, draft_premium: float = 0.1,
                  horizon: int = 64, probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  decision_log: str | None = None):
         self.cost = cost
@@ -198,7 +200,7 @@ class Goodput:
                 count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
                 shared = np.minimum(np.maximum(room - n, 0), prompt)
                 step = self.cost.step_time(b, n, longest, count, context, shared)
-                step = np.where(np.asarray(n) > 0, (1 + self.draft_premium) * step, step)
+                step += self.draft_premium * (step - self.cost.step_time(b, 0, 0, 0, context, shared))
                 return (step + self.cost.token_cost() * (prompt - shared)
                         + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
 
