@@ -350,6 +350,18 @@ def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
     assert float(model.step_time(8, 0, 0, 0, 0, prefill=2000)) == pytest.approx(3e-4 * 2008, rel=0.05)
 
 
+def test_small_prompt_chunks_do_not_teach_their_overhead_as_the_price():
+    """Steps with prompt tokens pay a fixed cost beyond their decodes (4 ms here) and 0.3 ms
+    a prompt token: only the large ones teach the price, so the small ones' fixed cost is
+    not spread over their few tokens as if each cost it."""
+    model = CostModel.from_function(true_cost, *grid_axes(16, 4))
+    plain = float(model.step_time(8, 0, 0, 0, 0))
+    for _ in range(40):
+        for tokens in (16, 16, 16, 1000):
+            model.observe(8, 0, 0, 0, 0, plain + 0.004 + 3e-4 * tokens, prefill=tokens)
+    assert model.token_cost() == pytest.approx(3e-4, rel=0.05)
+
+
 # -- configuration --------------------------------------------------------------------------
 
 def test_table_policy_picks_k_by_batch_size():

@@ -34,8 +34,11 @@ longer chosen, never be seen at its true price again.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the price of a compute-bound token, and
-only when that price sets its time; one whose drafter catches up corrects only the price
-of catching up (a scale on the profiled one).
+only when it has at least the tokens of the grid's largest shape: a smaller one's time is
+mostly fixed costs, which would teach the price their share per token (run51: priced that
+way by the small steps of 1 and 10 clients, a draft beside a prompt looked dear at 70
+clients, and goodput drafted in none of those steps). One whose drafter catches up
+corrects only the price of catching up (a scale on the profiled one).
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ class CostModel:
             tokens = batch + num_drafts + prefill
             if self.token_weight[0] == 0:
                 self._learn(self.token_price, self.token_weight, ((0, 1.0),), error / tokens)
-            elif self.token_cost() * tokens >= self._target(batch, num_drafts, max_draft):
+            elif tokens >= self.batch_sizes[-1] * self.widths[-1]:
                 self._learn(self.token_price, self.token_weight, ((0, 1.0),), min(error, predicted) / tokens)
             return predicted
         b0, b1, f = bracket(batch, self.batch_sizes)
