@@ -129,9 +129,11 @@ class Request:
             self.first_token_time = time.monotonic()
         if token in self.stop_ids:
             self.finish("stop", stop_reason=token if token in self.params.stop_token_ids else None)
-        elif len(self.token_ids) >= min(self.num_prompt_tokens + self.params.max_tokens, max_model_len):
+            return True
+        if len(self.token_ids) >= min(self.num_prompt_tokens + self.params.max_tokens, max_model_len):
             self.finish("length")
-        return self.finished
+            return True
+        return False
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = Status.FINISHED

@@ -69,10 +69,10 @@ class Scheduler:
         ps = self.pool.page_size
 
         # Running requests: a decode needs 1 token (+ drafts), a prefill continues its chunk.
-        decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
         if self.ahead is not None:
             (draft_lens, plan.choice), self.ahead = self.ahead, None
         else:
+            decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
             draft_lens, plan.choice = self._draft_lens(decoding)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -151,23 +151,30 @@ class Scheduler:
         its row computed and dropped at commit. Nothing is preempted, so no request loses
         pages a step in flight writes to. Requests whose prompt ends in this step do not
         draft yet (as in choose_ahead)."""
-        running = [r for r in plan.requests if not r.finished]
-        if self.waiting or len(running) != len(self.running) or \
-                any(a is not b for a, b in zip(running, self.running)):
+        rows = [(r, n, 1 + k) for r, n, k in zip(plan.requests, plan.num_new_tokens, plan.draft_lens)
+                if not r.finished]  # (request, tokens it feeds now, tokens it commits now at most)
+        if self.waiting or [r for r, _, _ in rows] != self.running:  # (requests compare by identity)
             return None
-        new = dict(zip(plan.requests, plan.num_new_tokens))
-        commits = {r: 1 + k for r, k in zip(plan.requests, plan.draft_lens)}
-        reqs = [r for r in self.running if r.num_output_tokens + 1 < r.params.max_tokens
-                and r.num_tokens + commits[r] < self.max_model_len]
+        # Those that go on after this step (the others surely end in it, or might run past max_model_len).
+        rows = [(r, n, c) for r, n, c in rows
+                if r.num_output_tokens + 1 < r.params.max_tokens and r.num_tokens + c < self.max_model_len]
+        if not rows:
+            return None
         ps = self.pool.page_size
         # Where each request's next token goes; pages each needs for it, and more for its drafts.
-        ends = [r.num_computed + new[r] + commits[r] for r in reqs]
-        needs = [max(pages_for(end, ps) - len(r.pages), 0) for r, end in zip(reqs, ends)]
+        ends = [r.num_computed + n + c for r, n, c in rows]
+        needs = [max(pages_for(end, ps) - len(r.pages), 0) for (r, _, _), end in zip(rows, ends)]
         spare = self.pool.num_free - sum(needs)
-        if not reqs or spare < 0:
+        if spare < 0:
             return None
-        decoding = [r for r in reqs if new[r] == 1]
-        draft_lens, choice = self._draft_lens(decoding, [commits[r] for r in decoding])
+        reqs = [r for r, _, _ in rows]
+        if self.max_draft_len == 0:  # every K is 0: each request takes the pages its next token needs
+            for req, need in zip(reqs, needs):
+                if need:
+                    req.pages += self.pool.allocate(need)
+            return StepPlan(reqs, [1] * len(reqs), [0] * len(reqs))
+        decoding = [r for r, n, _ in rows if n == 1]
+        draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1])
         budget = self.max_num_batched_tokens - len(reqs)
         ks = []
         for req, end, need in zip(reqs, ends, needs):
@@ -228,25 +235,27 @@ class Scheduler:
         """Append each row's accepted tokens; returns the requests that finished.
         `in_flight` is a step planned ahead of this one, already on the device."""
         ahead = set(in_flight.requests) if in_flight is not None and any(plan.draft_lens) else ()
+        ps = self.pool.page_size
         finished = []
-        tokens = result.token_ids.tolist()
-        accept_lens = result.accept_lens.tolist()
-        for i, req in enumerate(plan.requests):
+        rows = zip(plan.requests, plan.num_new_tokens, plan.draft_lens,
+                   result.token_ids.tolist(), result.accept_lens.tolist())
+        for i, (req, num_new, k, tokens, n) in enumerate(rows):
             if req.finished:  # ended while this step was in flight (async scheduling)
                 continue
-            n, k = accept_lens[i], plan.draft_lens[i]
-            req.num_computed += plan.num_new_tokens[i] + max(n - 1, 0)
+            req.num_computed += num_new + max(n - 1, 0)
             if k:
                 req.num_absorbed = min(req.num_absorbed, req.num_computed)
                 req.spec.record(k, n - 1)
                 self.spec.record(k, n - 1)
             logprobs = result.logprobs[i] if result.logprobs is not None and req.logprobs is not None else None
+            ended = False
             for j in range(n):
                 if logprobs is not None:
                     req.logprobs.append(logprobs[j])
-                if req.append_token(tokens[i][j], self.max_model_len):
+                if req.append_token(tokens[j], self.max_model_len):
+                    ended = True
                     break
-            if req.finished:
+            if ended:
                 self.running.remove(req)
                 self._release(req)
                 finished.append(req)
@@ -254,8 +263,11 @@ class Scheduler:
             # Pages that held only rejected drafts go back to the pool, unless the step in
             # flight uses them (that step's own commit frees what it leaves).
             if k and req not in ahead:
-                keep = pages_for(req.num_computed, self.pool.page_size)
+                keep = pages_for(req.num_computed, ps)
                 self.pool.free(req.pages[keep:])
                 del req.pages[keep:]
-            self.pool.register(req.pages, req.page_keys, req.token_ids, req.num_computed)
+            # register keys the pages full of computed tokens that have no key yet; most
+            # steps fill none, and then there is nothing to call it for.
+            if len(req.page_keys) < req.num_computed // ps:
+                self.pool.register(req.pages, req.page_keys, req.token_ids, req.num_computed)
         return finished
