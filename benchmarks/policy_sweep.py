@@ -21,8 +21,9 @@ A single pass differs from the next by 5-20% per cell, so every (policy, load) c
 twice: the policies in one order, then in the reverse one (drift over the run falls on
 each policy alike; no prompt is ever sent twice, so no cell finds another's in the prefix
 cache), and within a pass every policy meets the same accept/reject draws (fixed request
-seeds; the second pass draws others). The table gives each cell's mean with its spread (half the distance
-between the two runs, in % of the mean) and goodput / best fixed policy from the means;
+seeds; the second pass draws others). The table gives each cell's mean with its spread
+(half the distance between the two runs, in % of the mean) and goodput / best fixed policy
+from the means;
 the JSON keeps both runs. Writes $OUT/policy_sweep.json and goodput's decision log per
 acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; written
 on local disk during the run, then copied), and the same lines for the other policies
