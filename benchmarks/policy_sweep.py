@@ -22,15 +22,15 @@ twice: the policies in one order, then in the reverse one (drift over the run fa
 each policy alike; no prompt is ever sent twice, so no cell finds another's in the prefix
 cache), and within a pass every policy meets the same accept/reject draws (fixed request
 seeds; the second pass draws others). The table gives each cell's mean with its spread
-(half the distance between the two runs, in % of the mean) and goodput / best fixed policy
-from the means;
-the JSON keeps both runs. Writes $OUT/policy_sweep.json and goodput's decision log per
-acceptance level ($OUT/decisions_a*.jsonl: one JSON line per step, both passes; written
-on local disk during the run, then copied), and the same lines for the other policies
-($OUT/steps_a*.jsonl, with the policy and load named), so that a cell's time can be taken
-apart step by step for every policy alike. Each cell also records the host time per step in
-the engine's phases (`gpu_fastpath.phase_timing`: whether a policy's own host work lands on
-the step's critical path). Prints the table last.
+(half the distance between the two runs, in % of the mean) and goodput / best fixed
+policy from the means; the JSON keeps both runs. Writes $OUT/policy_sweep.json and
+goodput's decision log per acceptance level ($OUT/decisions_a*.jsonl: one JSON line per
+step, both passes; written on local disk during the run, then copied), and the same lines
+for the other policies ($OUT/steps_a*.jsonl, with the policy and load named), so that a
+cell's time can be taken apart step by step for every policy alike. Each cell also
+records the host time per step in the engine's phases (`gpu_fastpath.phase_timing`:
+whether a policy's own host work lands on the step's critical path). Prints the table
+last.
 """
 
 from __future__ import annotations
