@@ -1,6 +1,7 @@
 """Goodput's passes of one cell against off's: tok/s, drafted tokens and host time (choose +
 observe) per pass, then goodput's decode steps at >= 150 rows from its decision log, by
-whether they drafted: count, rows drafting, predicted and observed step time.
+whether they drafted: count, rows drafting, predicted and observed step time, and the
+predicted rate of the K the policy chose.
 
     python goodput_passes.py RUN_DIR ACCEPTANCE LOAD    (e.g. run49 0.6 c=250)
 """
@@ -23,4 +24,5 @@ for name, steps in (("K = 0", [r for r in decode if not any(r["k"])]), ("K > 0",
         print(f"goodput {name} steps at >= 150 rows: {len(steps)}, "
               f"rows drafting {statistics.mean(sum(k > 0 for k in r['k']) for r in steps):.1f}, "
               f"predicted {1e3 * statistics.mean(r['predicted_s'] for r in steps):.2f} ms, "
-              f"observed {1e3 * statistics.mean(r['observed_s'] for r in steps if r['observed_s']):.2f} ms")
+              f"observed {1e3 * statistics.mean(r['observed_s'] for r in steps if r['observed_s']):.2f} ms, "
+              f"chosen rate predicted {statistics.mean(r['tokens_per_s'] for r in steps):.0f} tok/s")
