@@ -200,7 +200,9 @@ class Goodput:
                 count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
                 shared = np.minimum(np.maximum(room - n, 0), prompt)
                 step = self.cost.step_time(b, n, longest, count, context, shared)
-                step += self.draft_premium * (step - self.cost.step_time(b, 0, 0, 0, context, shared))
+                # The drafts' own time (none where online corrections left a wider cell cheaper).
+                drafts = np.maximum(step - self.cost.step_time(b, 0, 0, 0, context, shared), 0.0)
+                step += self.draft_premium * drafts
                 return (step + self.cost.token_cost() * (prompt - shared)
                         + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
 
