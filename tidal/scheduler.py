@@ -168,24 +168,25 @@ class Scheduler:
         if spare < 0:
             return None
         reqs = [r for r, _, _ in rows]
-        if self.max_draft_len == 0:  # every K is 0: each request takes the pages its next token needs
-            for req, need in zip(reqs, needs):
-                if need:
-                    req.pages += self.pool.allocate(need)
+        for req, need in zip(reqs, needs):  # every row's next token first, then the drafts that fit
+            if need:
+                req.pages += self.pool.allocate(need)
+        if self.max_draft_len == 0:
             return StepPlan(reqs, [1] * len(reqs), [0] * len(reqs))
         decoding = [r for r, n, _ in rows if n == 1]
         draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1])
         budget = self.max_num_batched_tokens - len(reqs)
-        ks = []
-        for req, end, need in zip(reqs, ends, needs):
+        ks = [0] * len(reqs)
+        for i, (req, end) in enumerate(zip(reqs, ends)):
             k = min(draft_lens.get(req.request_id, 0), budget)
-            extra = max(pages_for(end + k, ps) - len(req.pages) - need, 0) if k else 0
-            if extra > spare:
-                k, extra = 0, 0
-            req.pages += self.pool.allocate(need + extra) if need + extra > 0 else []
+            extra = max(pages_for(end + k, ps) - len(req.pages), 0) if k else 0
+            if not k or extra > spare:
+                continue
+            if extra:
+                req.pages += self.pool.allocate(extra)
             spare -= extra
             budget -= k
-            ks.append(k)
+            ks[i] = k
         return StepPlan(reqs, [1] * len(reqs), ks, choice)
 
     def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None) -> tuple[dict[str, int], object]:
