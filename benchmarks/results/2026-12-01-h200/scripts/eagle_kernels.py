@@ -1,12 +1,13 @@
 """GPU time of batch-1 decode steps by host phase and kernel, plain and EAGLE-3 (sim 0.8,
 K = 4): each kernel is traced through its correlation id to the runtime call that
 launched it (a graph launch for the kernels inside a graph), and from there to the host
-labels open around that call. Prints both tables, writes $OUT/eagle_kernels.json and the
+labels open around that call. Prints the table, writes $OUT/eagle_kernels_{plain,eagle}.json and the
 gzipped traces.
 
-    PYTHONPATH=.:benchmarks:tests python benchmarks/results/2026-12-01-h200/scripts/eagle_kernels.py
+    PYTHONPATH=.:benchmarks:tests python benchmarks/results/2026-12-01-h200/scripts/eagle_kernels.py plain
+    PYTHONPATH=.:benchmarks:tests python benchmarks/results/2026-12-01-h200/scripts/eagle_kernels.py eagle
 """
-import gzip, json, os, tempfile, time
+import gzip, json, os, sys, tempfile, time
 from collections import defaultdict
 from pathlib import Path
 
@@ -95,6 +96,9 @@ def run(llm, name, out, steps=24):
 
 
 def main():
+    """One configuration per process (a second engine in one process failed to capture its
+    graphs after the first was profiled)."""
+    name = sys.argv[1]
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp())
@@ -103,23 +107,18 @@ def main():
     model_dir, eagle_dir = write_model_dir(tmp, shape), write_eagle_dir(tmp, shape)
     common = dict(device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32", load_format="dummy",
                   max_model_len=2048 if cuda else 512, max_num_seqs=8, num_pages=512)
-    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
-    llm = LLM(model=str(model_dir), **common)
-    results["plain"] = run(llm, "plain", out)
-    del llm
-    sc = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4, "policy": "fixed",
-          "simulate_acceptance": 0.8}
-    llm = LLM(model=str(model_dir), speculative_config=sc, **common)
-    results["eagle"] = run(llm, "eagle", out)
-    (out / "eagle_kernels.json").write_text(json.dumps(results, indent=1))
-    for name in ("plain", "eagle"):
-        r = results[name]
-        print(f"\n== {name}: decode {r['decode_tok_s']:.0f} tok/s; profiled step {r['profiled_step_us']:.0f} us, "
-              f"GPU busy {r['gpu_busy_us']:.0f}, span {r['gpu_span_us']:.0f}, {r['kernels_per_step']:.0f} GPU ops/step")
-        for p, v in r["per_label_us"].items():
-            print(f"  {v:8.1f} us  {p}")
-        for p, o, n, c, d in r["kernels"][:90]:
-            print(f"{d:8.1f} us {c:6.1f}x  {p:42.42} {o:26.26} {n}")
+    if name == "eagle":
+        common["speculative_config"] = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4,
+                                        "policy": "fixed", "simulate_acceptance": 0.8}
+    r = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+         **run(LLM(model=str(model_dir), **common), name, out)}
+    (out / f"eagle_kernels_{name}.json").write_text(json.dumps(r, indent=1))
+    print(f"\n== {name}: decode {r['decode_tok_s']:.0f} tok/s; profiled step {r['profiled_step_us']:.0f} us, "
+          f"GPU busy {r['gpu_busy_us']:.0f}, span {r['gpu_span_us']:.0f}, {r['kernels_per_step']:.0f} GPU ops/step")
+    for p, v in r["per_label_us"].items():
+        print(f"  {v:8.1f} us  {p}")
+    for p, o, n, c, d in r["kernels"][:100]:
+        print(f"{d:8.1f} us {c:6.1f}x  {p:42.42} {o:26.26} {n}")
 
 
 if __name__ == "__main__":
