@@ -8,8 +8,8 @@ Four questions, each answered side by side in one run:
   verification at K = 4) through cuBLAS (`F.linear`) against Triton skinny-GEMM variants:
   outputs checked against float32, then 32 layers' worth (distinct weights, 14 GB) replayed
   from one CUDA graph per variant, so launch gaps and caches are as in a decode step;
-- gemv: at 1, 2 and 5 tokens, each decoder product through cuBLAS (gate/up followed by the
-  SwiGLU kernel) against `fused.gemv` (gate/up and SwiGLU in one kernel) by block sizes, 32 layers
+- gemv: at one token, each decoder product through cuBLAS (gate/up followed by the SwiGLU
+  kernel) against `fused.gemv` (gate/up and SwiGLU in one kernel) by block sizes, 32 layers
   from one graph, outputs checked against cuBLAS's;
 - argmax: `fused.argmax` against torch's at 1, 5 and 256 rows of a 128k vocabulary;
 - attention splits: batch-1 decode attention (store + attention + combine) at 300, 1,000
@@ -165,15 +165,13 @@ def weights_section(shape, device, smoke):
     return out
 
 
-GEMV_BLOCKS = {1: ((1, 512),), 2: ((1, 512), (2, 512), (2, 256)),
-               5: ((1, 256), (1, 512), (2, 256), (2, 512), (4, 128), (4, 256), (8, 128))}
+GEMV_BLOCKS = ((1, 512), (1, 1024), (2, 512), (2, 1024), (4, 512), (4, 1024))
 
 
 def gemv_section(shape, device, smoke):
-    """1, 2 and 5 tokens (batch-1 decode, batch 2, verification at K = 4), 32 layers from
-    one graph: each decoder product through cuBLAS (the gate/up one followed by
-    `fused.silu_and_mul`) against `fused.gemv` (gated for gate/up), by block sizes; outputs
-    checked against cuBLAS's."""
+    """One token, 32 layers from one graph: each decoder product through cuBLAS (the gate/up
+    one followed by `fused.silu_and_mul`) against `fused.gemv` (gated for gate/up), by
+    block sizes; outputs checked against cuBLAS's."""
     from tidal.layers import fused
 
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
@@ -186,20 +184,19 @@ def gemv_section(shape, device, smoke):
     torch.manual_seed(0)
     for name, (n, k), gated in (("qkv", (q_size + 2 * kv, h), False), ("o", (h, q_size), False),
                                 ("gate_up", (2 * inter, h), True), ("down", (h, inter), False)):
+        x = torch.randn(1, k, device=device, dtype=dtype)
         weights = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(layers)]
-        for m, blocks in GEMV_BLOCKS.items():
-            x = torch.randn(m, k, device=device, dtype=dtype)
 
-            def cublas(w, x=x):
-                y = F.linear(x, w)
-                return fused.silu_and_mul(y) if gated else y
-            want = cublas(weights[0]).float()
-            out[f"{name} m={m} cublas ms"] = graph_ms(lambda cublas=cublas: [cublas(w) for w in weights])
-            for bn, bk in blocks:
-                got = fused.gemv(x, weights[0], gated, bn, bk).float()
-                out[f"{name} m={m} gemv {bn}x{bk} err"] = ((got - want).norm() / want.norm()).item()
-                out[f"{name} m={m} gemv {bn}x{bk} ms"] = graph_ms(
-                    lambda bn=bn, bk=bk, x=x: [fused.gemv(x, w, gated, bn, bk) for w in weights])
+        def cublas(w):
+            y = F.linear(x, w)
+            return fused.silu_and_mul(y) if gated else y
+        want = cublas(weights[0]).float()
+        out[f"{name} cublas ms"] = graph_ms(lambda: [cublas(w) for w in weights])
+        for bn, bk in GEMV_BLOCKS:
+            got = fused.gemv(x, weights[0], gated, bn, bk).float()
+            out[f"{name} gemv {bn}x{bk} err"] = ((got - want).norm() / want.norm()).item()
+            out[f"{name} gemv {bn}x{bk} ms"] = graph_ms(
+                lambda bn=bn, bk=bk: [fused.gemv(x, w, gated, bn, bk) for w in weights])
         del weights
     return out
 
@@ -366,7 +363,7 @@ def main():
             print(f"  ctx {ctx:>5} (default {row['default_splits']}): " + "  ".join(
                 f"{s}: {row.get(f'us_{s}', float('nan')):.2f}" for s in (1, 2, 4, 8, 16, 32)))
     if "gemv" in results:
-        print("1, 2, 5 tokens, 32 layers from one graph: cuBLAS (+ SwiGLU) against fused.gemv (ms, err):")
+        print("one token, 32 layers from one graph: cuBLAS (+ SwiGLU) against fused.gemv (ms, err):")
         for label, value in results["gemv"].items():
             print(f"  {label:<40} {value:.3g}")
     if "weights" in results:

@@ -184,66 +184,57 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, K, N, stride_x, stride_w, stride_out,
-                 GATED: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
-    """A few tokens' product with W [N (x2 when GATED), K]: program n computes its BLOCK_N
-    outputs for all M tokens over the whole of K, streaming its rows of W once in float32
-    FMAs (no split-K, so no reduction kernel after it). With GATED, W is [gate | up] and
-    the output silu(g) * u, g and u rounded to the output dtype first, as the product
-    followed by SiluAndMul rounds them."""
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, K, N, stride_w,
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One token's product with W [N (x2 when GATED), K]: program n computes its BLOCK_N
+    outputs over the whole of K, streaming its rows of W once in float32 FMAs (no split-K,
+    so no reduction kernel after it). With GATED, W is [gate | up] and the output
+    silu(g) * u, g and u rounded to the output dtype first, as the product followed by
+    SiluAndMul rounds them."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    rm = tl.arange(0, M_PAD)
     n_ok = rn < N
-    m_ok = rm < M
     rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    xs = x_ptr + rm[:, None] * stride_x + rk[None, :]
-    acc = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     if GATED:
         up_rows = rows + N.to(tl.int64) * stride_w
-        acc_up = tl.zeros([M_PAD, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            w_mask = n_ok[:, None]
-            x_mask = m_ok[:, None]
+            mask = n_ok[:, None]
+            x = tl.load(x_ptr + k0 + rk).to(tl.float32)
         else:
             k_ok = k0 + rk < K
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            x_mask = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(xs + k0, mask=x_mask, other=0.0).to(tl.float32)[:, None, :]
-        acc += tl.load(rows + k0, mask=w_mask, other=0.0).to(tl.float32)[None, :, :] * x
+            mask = n_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        acc += tl.load(rows + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
         if GATED:
-            acc_up += tl.load(up_rows + k0, mask=w_mask, other=0.0).to(tl.float32)[None, :, :] * x
+            acc_up += tl.load(up_rows + k0, mask=mask, other=0.0).to(tl.float32) * x[None, :]
     dtype = out_ptr.dtype.element_ty
-    out = tl.sum(acc, axis=2).to(dtype)
+    out = tl.sum(acc, axis=1).to(dtype)
     if GATED:
         gate = out.to(tl.float32)
-        up = tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
         out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
-    tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
-
-
-GEMV_MAX_TOKENS = 8
+    tl.store(out_ptr + rn, out, mask=n_ok)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, block_n: int = 1,
          block_k: int = 512) -> torch.Tensor:
-    """F.linear(x, weight) for up to GEMV_MAX_TOKENS tokens x [M, K] in one kernel that
-    reads each weight once; with `gated`, weight is a fused [gate | up] and the result
-    SiluAndMul of the product, so that the SwiGLU is not a launch of its own. Equal to the
-    unfused result up to the order in which the products are summed. At Llama-8B's shapes
-    on an H200, one token's products beat cuBLAS on every decoder product, 5% (qkv) to
-    16% (o), with no split-K reduction after it (run46)."""
-    m, k = x.shape
-    assert 1 <= m <= GEMV_MAX_TOKENS and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    """F.linear(x, weight) for one token x [1, K] in one kernel; with `gated`, weight is a
+    fused [gate | up] and the result SiluAndMul of the product, so that at batch 1 (a
+    chain of small launches) the SwiGLU is not a launch of its own. Equal to the unfused
+    result up to the order in which the products are summed. At Llama-8B's shapes on an
+    H200, 1 x 512 blocks beat cuBLAS on every decoder product, 5% (qkv) to 16% (o), with
+    no split-K reduction after it (run46)."""
+    assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
+    k = x.shape[1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_k = min(block_k, triton.next_power_of_2(k))
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, out, m, k, n, x.stride(0), weight.stride(0), out.stride(0),
-        GATED=gated, M_PAD=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=4, num_stages=4,
+        x, weight, out, k, n, weight.stride(0),
+        GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
     )
     return out
 
