@@ -327,6 +327,14 @@ def test_advance_moves_each_row_to_its_next_position_until_its_limit():
         assert batch.seq_lens.tolist() == built.seq_lens.tolist()
         assert batch.slot_mapping.tolist() == [s if ok else -1 for s, ok in zip(built.slot_mapping.tolist(), live)]
     assert batch.positions.tolist() == [5, 4, 7]
+    # The kernel CUDA runs instead (here through Triton's interpreter) does the same.
+    kernel = ForwardBatch.build([[0]] * 3, [2, 3, 6], pages, PAGE_SIZE, "cpu")
+    eager = ForwardBatch.build([[0]] * 3, [2, 3, 6], pages, PAGE_SIZE, "cpu")
+    for _ in range(4):
+        fused.advance(limits, kernel.seq_lens, kernel.positions, kernel.slot_mapping, kernel.page_table, PAGE_SIZE)
+        eager.advance(limits, PAGE_SIZE)
+        for field in ("positions", "seq_lens", "slot_mapping"):
+            assert getattr(kernel, field).tolist() == getattr(eager, field).tolist(), field
 
 
 def test_move_back_puts_rows_where_they_really_are():

@@ -70,6 +70,11 @@ class ForwardBatch:
         position while that stays below its limit; a request at its limit stays put and
         stores nothing. A drafter's steps after the first reuse one batch (or one graph's
         inputs) this way, without the host."""
+        if limits.is_cuda:
+            from tidal.layers import fused
+
+            fused.advance(limits, self.seq_lens, self.positions, self.slot_mapping, self.page_table, page_size)
+            return
         step = self.positions + 1 < limits
         self.positions.add_(step)
         self.seq_lens.add_(step)
