@@ -40,6 +40,7 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -105,6 +106,7 @@ class StepLog:
         self.policy, self.file, self.label = policy, file, label
         self.name = policy.name
         self.load = ""  # the load running now, set by the sweep
+        self.decode_steps: list[tuple[int, float]] = []  # (batch, seconds) of the cell's steps without prefill
 
     def choose(self, requests, limits, num_waiting):
         return self.policy.choose(requests, limits, num_waiting)
@@ -112,6 +114,8 @@ class StepLog:
     def observe(self, plan, result, step_time):
         self.policy.observe(plan, result, step_time)
         decoding = [i for i, n in enumerate(plan.num_new_tokens) if plan.samples(i)]
+        if len(decoding) == sum(plan.num_new_tokens):
+            self.decode_steps.append((len(plan.requests), step_time))
         self.file.write(json.dumps({
             "policy": self.label, "load": self.load, "batch": len(plan.requests), "k": list(plan.draft_lens),
             "prefill": sum(plan.num_new_tokens) - len(decoding), "observed_s": step_time,
@@ -119,6 +123,19 @@ class StepLog:
 
     def stats(self):
         return self.policy.stats()
+
+
+def predicted_uniform(goodput, clients: int, length: int, max_draft_len: int = 4) -> dict:
+    """Goodput's cost model after a cell: its price (ms) of a decode step of `clients`
+    requests of `length` tokens each, all at the same K, with and without its draft
+    premium, to set beside what the fixed policies' steps took."""
+    cost = goodput.cost
+    out = {}
+    for k in range(max_draft_len + 1):
+        raw = float(cost.step_time(clients, clients * k, k, clients if k else 0, clients * length))
+        plain = float(cost.step_time(clients, 0, 0, 0, clients * length))
+        out[k] = {"ms": 1e3 * raw, "with_premium_ms": 1e3 * (raw + goodput.draft_premium * max(raw - plain, 0.0))}
+    return out
 
 
 def requests_for(clients: int) -> int:
@@ -182,10 +199,17 @@ def main():
                     llm.engine.scheduler.policy = policies[name]
                     for load, phases in loads.items():
                         if name in logged:
-                            logged[name].load = load
+                            logged[name].load, logged[name].decode_steps = load, []
                         with phase_timing(llm.engine) as calls:
                             r = throughput(llm, phases, prompt_len, new_tokens, shape["vocab_size"], 1 + repeat)
                         r["host_us_per_step"] = per_step_us(calls)
+                        clients = phases[0][0]
+                        if name == "goodput" and len(phases) == 1:
+                            r["predicted_uniform_step"] = predicted_uniform(goodput, clients,
+                                                                            prompt_len + new_tokens // 2)
+                        elif name in logged and len(phases) == 1:
+                            full = [t for b, t in logged[name].decode_steps if b == clients]
+                            r["decode_step_ms_at_full_batch"] = 1e3 * statistics.median(full) if full else None
                         results["runs"].setdefault(f"a={acc} {name} {load}", []).append(r)
                         print(f"a={acc} {name:8} {load:6} {rate(r):9.0f} tok/s", flush=True)
             results[f"goodput_stats a={acc}"] = goodput.stats()
@@ -214,6 +238,22 @@ def main():
             us = {p: sum(r["host_us_per_step"].get(p, 0) for r in runs) / len(runs)
                   for p in ("step", "propose", "launch", "choose", "observe", "commit", "wait")}
             print(f"  {key:<22} " + " / ".join(f"{v:6.0f}" for v in us.values()))
+    print("decode step at c rows (ms): fixed K's median observed / goodput's price of the same K at the end of "
+          "its cell, mean of both runs (K = 0 is off)")
+    for acc in args.acceptance:
+        for load, phases in loads.items():
+            if len(phases) > 1:
+                continue
+            cells = []
+            for k, name in enumerate(("off", "fixed:1", "fixed:2", None, "fixed:4")):
+                if name is None:
+                    continue
+                seen = [r.get("decode_step_ms_at_full_batch") for r in results["runs"][f"a={acc} {name} {load}"]]
+                priced = [r["predicted_uniform_step"][k]["ms"] for r in results["runs"][f"a={acc} goodput {load}"]]
+                seen = [x for x in seen if x is not None]
+                cells.append(f"K={k} {sum(seen) / len(seen) if seen else float('nan'):6.2f} / "
+                             f"{sum(priced) / len(priced):6.2f}")
+            print(f"  a={acc} {load:6} " + "   ".join(cells))
     print(f"{'acc':>4} {'load':>7} " + " ".join(f"{n:>13}" for n in NAMES) + f" {'gp/best':>8}")
     for row in table:
         cells = (f"{row[n]:9.0f} {50 * (row['max'][n] - row['min'][n]) / row[n]:2.0f}%" for n in NAMES)
