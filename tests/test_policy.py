@@ -130,8 +130,44 @@ def test_a_near_tie_goes_to_k0():
     assert drafts(0.0) >= 16
 
 
+# Seconds of a step of 64 requests by width (70 clients at a = 0.6 on the H200, roughly:
+# K = 1 makes the most tokens a second), and a profile that prices K = 1 20% too high.
+STEP_AT_64 = {1: 0.0060, 2: 0.0077, 3: 0.0103, 4: 0.0127, 5: 0.0150}
+
+
+def k1_overpriced(b, w):
+    return b / 64 * STEP_AT_64[w] * (1.2 if w == 2 else 1.0)
+
+
+def settled_k(explore_interval, steps=300):
+    """Mean K over the last 100 of `steps` decisions for 64 requests at a = 0.6, each
+    step observed at its true time on a profile that prices K = 1 too high."""
+    model = CostModel.from_function(k1_overpriced, *grid_axes(256, 4), padded=True)  # as with CUDA graphs
+    policy, rng = Goodput(model, 4, explore_interval=explore_interval), random.Random(0)
+    policy.acceptance = AcceptanceModel(4, initial=0.6)  # what earlier, lighter loads taught it
+    reqs, history = make_requests(64), []
+    for _ in range(steps):
+        ks = policy.choose(reqs, [4] * 64, 0)
+        accepted = [1 + next((n for n in range(k) if rng.random() >= 0.6), k) for k in ks]
+        plan = StepPlan(reqs, [1] * 64, list(ks), ks.note)
+        policy.observe(plan, StepResult(torch.zeros(64, 1 + max(ks), dtype=torch.int64), torch.tensor(accepted)),
+                       STEP_AT_64[1 + max(ks)])
+        history.append(np.mean(ks))
+    return np.mean(history[-100:]), policy.num_explored
+
+
+def test_a_price_too_high_is_explored_and_corrected():
+    """A width the policy does not run is never seen at its true price: priced too high, it
+    would stay unchosen. Running the best other width now and then corrects it."""
+    stuck, _ = settled_k(explore_interval=0)
+    assert stuck > 1.5  # K = 2 at its true price beats K = 1 at the profile's
+    found, explored = settled_k(explore_interval=32)
+    assert explored > 0 and 0.9 < found < 1.2
+
+
 def flip_rate(hysteresis, steps=200):
-    policy, rng = Goodput(roofline(64), K, hysteresis=hysteresis), random.Random(1)
+    """How often K changes from one step to the next (exploration's deliberate changes aside)."""
+    policy, rng = Goodput(roofline(64), K, hysteresis=hysteresis, explore_interval=0), random.Random(1)
     reqs = make_requests(16)
     acceptance = [rng.uniform(0.3, 0.9) for _ in reqs]
     history = np.array([step(policy, reqs, acceptance, rng) for _ in range(steps)])[50:]

@@ -293,7 +293,8 @@ def test_goodput_metrics(checkpoint):
     assert m["tidal_policy_decisions_total"] == policy["num_decisions"] > 0
     assert m["tidal_policy_step_seconds{kind=observed}"] > 0 and m["tidal_policy_step_seconds{kind=predicted}"] > 0
     assert m["tidal_policy_step_time_error"] == pytest.approx(policy["step_time"]["mean_abs_rel_error"])
-    assert {"tidal_policy_held_decisions_total", "tidal_policy_probes_total"} <= set(m)
+    assert {"tidal_policy_held_decisions_total", "tidal_policy_probes_total",
+            "tidal_policy_explored_decisions_total"} <= set(m)
 
 
 # -- `tidal serve` in a subprocess: the CLI, --api-key, and the SIGTERM drain ---------------

@@ -113,6 +113,8 @@ class EngineStatsCollector:
                                   policy["num_held"])
         yield CounterMetricFamily("tidal_policy_probes", "One-token probes of requests sitting at K = 0",
                                   policy["num_probes"])
+        yield CounterMetricFamily("tidal_policy_explored_decisions", "Decisions that ran a neighbouring K to see "
+                                  "its step's price", policy["num_explored"])
         times = policy["step_time"]
         step = GaugeMetricFamily("tidal_policy_step_seconds", "The last observed step's time, as predicted and "
                                  "as observed", labels=["kind"])
