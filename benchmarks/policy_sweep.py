@@ -29,13 +29,15 @@ step, both passes; written on local disk during the run, then copied), and the s
 for the other policies ($OUT/steps_a*.jsonl, with the policy and load named), so that a
 cell's time can be taken apart step by step for every policy alike. Each cell also
 records the host time per step in the engine's phases (`gpu_fastpath.phase_timing`:
-whether a policy's own host work lands on the step's critical path). Prints the table
-last.
+whether a policy's own host work lands on the step's critical path) and the garbage
+collector's pauses. Prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import itertools
 import json
 import os
@@ -48,10 +50,44 @@ from pathlib import Path
 from gpu_fastpath import (LLAMA_8B, SMOKE, free_memory, per_step_us, phase_timing, random_prompts, write_eagle_dir,
                           write_model_dir)
 from tidal import LLM, SamplingParams
+from tidal.engine import frozen_heap
 from tidal.spec.policy import Fixed, Off
 
 
 PROMPT_SEEDS = itertools.count(100)
+
+
+@contextlib.contextmanager
+def collector_pauses():
+    """Yields a dict that, when the block ends, holds the garbage collector's pauses in it:
+    how many full (generation 2) collections ran, the longest, and all collections' time."""
+    pauses, started, out = [], [0.0], {}
+
+    def timer(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - started[0]))
+    gc.callbacks.append(timer)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(timer)
+        full = [t for g, t in pauses if g == 2]
+        out.update(full=len(full), full_max_ms=1e3 * max(full, default=0.0), total_ms=1e3 * sum(t for _, t in pauses))
+
+
+def full_collection_ms() -> dict:
+    """One full collection's time now, with the heap as it is and frozen (`frozen_heap`)."""
+    def timed():
+        start = time.perf_counter()
+        gc.collect()
+        return 1e3 * (time.perf_counter() - start)
+    gc.collect()
+    thawed = timed()
+    with frozen_heap():
+        frozen = timed()
+    return {"thawed": thawed, "frozen": frozen, "tracked_objects": len(gc.get_objects())}
 
 
 def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
@@ -63,39 +99,41 @@ def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
     c = 250 cell computed 38,304 of its 64,128 prompt tokens, fixed K = 4's 44,447), and
     prompt content costs nothing else here (random weights, simulated acceptance).
     `steady_tok_s` is the rate while every client of a single phase is busy; `tok_s` is
-    over everything; `prefix_hit_pages` should stay 0."""
+    over everything; `prefix_hit_pages` should stay 0; `collector`: the garbage collector's
+    pauses meanwhile (the heap frozen as the engine's own loops freeze it)."""
     engine = llm.engine
     drafted, hits = engine.stats()["spec"]["num_drafted"], engine.pool.prefix_hits
     generated, start = engine.num_generated_tokens, time.perf_counter()
     window = []  # (time, tokens generated) at the first request's end and at the last start
-    for i, (clients, total) in enumerate(phases):
-        prompts = random_prompts(total, prompt_len, vocab, seed=next(PROMPT_SEEDS))
-        submitted = 0
+    with frozen_heap(), collector_pauses() as pauses:  # as `LLM.generate` and the server run
+        for i, (clients, total) in enumerate(phases):
+            prompts = random_prompts(total, prompt_len, vocab, seed=next(PROMPT_SEEDS))
+            submitted = 0
 
-        def submit():
-            nonlocal submitted
-            params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
-                                    seed=(seed * 8 + i) * 1024 + submitted)
-            engine.add_request(engine.make_request(prompts[submitted], params))
-            submitted += 1
+            def submit():
+                nonlocal submitted
+                params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True,
+                                        seed=(seed * 8 + i) * 1024 + submitted)
+                engine.add_request(engine.make_request(prompts[submitted], params))
+                submitted += 1
 
-        for _ in range(min(clients, total)):
-            submit()
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished and submitted < total:
-                    if not window:
-                        window.append((time.perf_counter(), engine.num_generated_tokens))
-                    submit()
-                    if submitted == total:
-                        window.append((time.perf_counter(), engine.num_generated_tokens))
+            for _ in range(min(clients, total)):
+                submit()
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished and submitted < total:
+                        if not window:
+                            window.append((time.perf_counter(), engine.num_generated_tokens))
+                        submit()
+                        if submitted == total:
+                            window.append((time.perf_counter(), engine.num_generated_tokens))
     seconds = time.perf_counter() - start
     tokens = engine.num_generated_tokens - generated
     (t0, n0), (t1, n1) = window[0], window[-1]
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "steady_tok_s": (n1 - n0) / (t1 - t0) if len(phases) == 1 and t1 > t0 else None,
             "drafted": engine.stats()["spec"]["num_drafted"] - drafted,
-            "prefix_hit_pages": engine.pool.prefix_hits - hits}
+            "prefix_hit_pages": engine.pool.prefix_hits - hits, "collector": pauses}
 
 
 class StepLog:
@@ -187,6 +225,7 @@ def main():
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=1024,
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
             goodput = llm.engine.scheduler.policy
+            results[f"full_collection_ms a={acc}"] = full_collection_ms()
             steps = open(Path(tmp) / f"steps_a{acc}.jsonl", "w")
             logged = {name: StepLog(policy, steps, name) for name, policy in
                       zip(NAMES, (Off(), Fixed(1), Fixed(2), Fixed(4)))}
@@ -238,6 +277,14 @@ def main():
             us = {p: sum(r["host_us_per_step"].get(p, 0) for r in runs) / len(runs)
                   for p in ("step", "propose", "launch", "choose", "observe", "commit", "wait")}
             print(f"  {key:<22} " + " / ".join(f"{v:6.0f}" for v in us.values()))
+    for acc in args.acceptance:
+        full = results[f"full_collection_ms a={acc}"]
+        cells = {key: r["collector"] for key, runs in results["runs"].items() if key.startswith(f"a={acc} ")
+                 for r in runs}
+        print(f"garbage collector, a={acc}: a full collection at start-up {full['thawed']:.0f} ms "
+              f"({full['tracked_objects']} objects), frozen {full['frozen']:.1f} ms; during the cells "
+              f"{sum(c['full'] for c in cells.values())} full ones, the longest "
+              f"{max(c['full_max_ms'] for c in cells.values()):.1f} ms")
     print("decode step at c rows (ms): fixed K's median observed / goodput's price of the same K at the end of "
           "its cell, mean of both runs (K = 0 is off)")
     for acc in args.acceptance:

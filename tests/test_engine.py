@@ -2,6 +2,7 @@
 composition, chunked prefill, preemption and prefix caching leave greedy outputs unchanged,
 and every KV page is free when the engine is idle."""
 
+import gc
 import random
 
 import pytest
@@ -253,3 +254,15 @@ def test_sampling_tensors_are_built_once_per_set_of_rows(checkpoint, monkeypatch
     runner.sampling_tensors(reqs[1:])  # a third set pushes out the one used longest ago
     assert runner.sampling_tensors(sampling) is first[1] and len(builds) == 3
     assert runner.sampling_tensors(drafting) is not first[0] and len(builds) == 4
+
+
+def test_generate_freezes_the_start_up_heap_and_thaws_it(checkpoint):
+    """While generate runs, the objects that existed before it are out of the collector's
+    scans (a full scan of them is a stall mid-step); afterwards they are back, so that an
+    engine dropped later is collected even if it sits in a reference cycle."""
+    llm = LLM(model=checkpoint("llama"), dtype="float32", num_pages=64)
+    frozen = []
+    step = llm.engine.step
+    llm.engine.step = lambda: frozen.append(gc.get_freeze_count()) or step()
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
+    assert min(frozen) > 1000 and gc.get_freeze_count() == 0

@@ -3,6 +3,8 @@ offline `LLM` API in vLLM's shape."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import random
 import time
@@ -23,6 +25,28 @@ from tidal.step import StepPlan
 from tidal.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | Sequence[int]
+
+
+_frozen = 0  # serving loops under way (`frozen_heap`)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """While serving, keep the objects that already exist (the engine's, its libraries')
+    out of the garbage collector's scans. A full collection walks every tracked object:
+    ~300,000 after an engine's start-up, 154 ms on a 2-core CPU (3 ms with them frozen),
+    a stall in the middle of a step when it comes. Everything thaws when the last loop
+    ends, so an engine dropped afterwards is collected as usual (frozen objects never are)."""
+    global _frozen
+    if _frozen == 0:
+        gc.freeze()
+    _frozen += 1
+    try:
+        yield
+    finally:
+        _frozen -= 1
+        if _frozen == 0:
+            gc.unfreeze()
 
 
 class LLMEngine:
@@ -269,12 +293,13 @@ class LLM:
         generated = self.engine.num_generated_tokens
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm or len(requests) < 2)
         start = time.monotonic()
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-            elapsed = max(time.monotonic() - start, 1e-9)
-            bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - generated) / elapsed:.0f}", refresh=False)
+        with frozen_heap():
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+                elapsed = max(time.monotonic() - start, 1e-9)
+                bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - generated) / elapsed:.0f}", refresh=False)
         bar.close()
         return [done[r.request_id] for r in requests]

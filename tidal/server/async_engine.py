@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import AsyncIterator
 
-from tidal.engine import LLMEngine
+from tidal.engine import LLMEngine, frozen_heap
 from tidal.request import Request, RequestOutput
 from tidal.server.metrics import ServerMetrics
 
@@ -89,15 +89,16 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while True:
-                self._wake.clear()  # before reading commands, so that one sent meanwhile ends the wait
-                if self._apply_commands():
-                    break
-                if self.engine.has_unfinished():
-                    self._step()
-                else:
-                    self.metrics.update_stats(self.engine.stats())
-                    self._wake.wait()
+            with frozen_heap():
+                while True:
+                    self._wake.clear()  # before reading commands, so that one sent meanwhile ends the wait
+                    if self._apply_commands():
+                        break
+                    if self.engine.has_unfinished():
+                        self._step()
+                    else:
+                        self.metrics.update_stats(self.engine.stats())
+                        self._wake.wait()
             self._abort(list(self.engine.requests), "the request was aborted: the server is shutting down")
         except Exception as e:
             # The engine is in an unknown state: nothing it runs can be trusted to finish.
