@@ -292,9 +292,7 @@ def main():
             if len(phases) > 1:
                 continue
             cells = []
-            for k, name in enumerate(("off", "fixed:1", "fixed:2", None, "fixed:4")):
-                if name is None:
-                    continue
+            for k, name in {0: "off", 1: "fixed:1", 2: "fixed:2", 4: "fixed:4"}.items():
                 seen = [r.get("decode_step_ms_at_full_batch") for r in results["runs"][f"a={acc} {name} {load}"]]
                 priced = [r["predicted_uniform_step"][k]["ms"] for r in results["runs"][f"a={acc} goodput {load}"]]
                 seen = [x for x in seen if x is not None]

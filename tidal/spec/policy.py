@@ -147,9 +147,9 @@ class Goodput:
     while every request drafts and no prompt waits, a uniform K one below or one above the
     choice's longest (in turn) runs instead, if it is priced within `explore_margin` of it:
     the widths beside the choice are where a stale price would change it. At 70
-    clients and a = 0.6, goodput ran K = 2 at its true price while K = 1's steps would have
-    made 8% more tokens a second: priced at 8.8 ms or more, they took 7.7-7.8 (runs 50 and
-    52, both passes); passes that had seen K = 1's price chose it (runs 51, 57).
+    clients and a = 0.6, goodput ran K = 2 at its true price while K = 1's steps, which it
+    must have priced at 8.8 ms or more, took 7.8 and made 8% more tokens a second (runs 50
+    and 52, both passes). Exploring, it runs K = 1 there (runs 58-60).
     """
 
     name = "goodput"
