@@ -149,7 +149,7 @@ class Goodput:
     the widths beside the choice are where a stale price would change it. At 70
     clients and a = 0.6, goodput ran K = 2 at its true price while K = 1's steps, which it
     must have priced at 8.8 ms or more, took 7.8 and made 8% more tokens a second (runs 50
-    and 52, both passes). Exploring, it runs K = 1 there (runs 58-60).
+    and 52, both passes). Exploring, it runs K = 1 for most rows there (runs 58-60).
     """
 
     name = "goodput"
