@@ -158,7 +158,7 @@ def settled_k(explore_interval, steps=300):
 
 def test_a_price_too_high_is_explored_and_corrected():
     """A width the policy does not run is never seen at its true price: priced too high, it
-    would stay unchosen. Running the best other width now and then corrects it."""
+    would stay unchosen. Running a neighbouring width now and then corrects it."""
     stuck, _ = settled_k(explore_interval=0)
     assert stuck > 1.5  # K = 2 at its true price beats K = 1 at the profile's
     found, explored = settled_k(explore_interval=32)
