@@ -156,6 +156,32 @@ def check_correctness(device, results):
                 "accepted": stats["spec"]["num_accepted"], "drafted": stats["spec"]["num_drafted"]}
             del llm
             free_memory()
+    drafts_in_graphs(device, results)
+
+
+def drafts_in_graphs(device, results):
+    """The drafter's graphs draft what its eager path drafts: on the shipped demo pair (a
+    trained head, so drafts are accepted) greedy and seeded sampling, K = 4, with graphs
+    and with `enforce_eager`: the same output tokens and the same acceptance."""
+    from test_demo_pair import CHATS
+
+    sc = {"method": "eagle3", "model": str(DEMO_DIR / "eagle3"), "num_speculative_tokens": 4, "policy": "fixed"}
+    runs = {}
+    for mode, kw in {"graphs": {}, "eager": {"enforce_eager": True}}.items():
+        llm = LLM(model=str(DEMO_DIR / "target"), device=device, dtype="float32", speculative_config=sc, **kw)
+        prompts = [llm.tokenizer.apply_chat_template(c) for c in CHATS]
+        for name, params in {"greedy": greedy(48), "sampled": SamplingParams(max_tokens=48, temperature=0.8, seed=7)}.items():
+            before = dict(llm.engine.stats()["spec"])
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            after = llm.engine.stats()["spec"]
+            runs[(mode, name)] = (tokens, after["num_accepted"] - before["num_accepted"],
+                                  after["num_drafted"] - before["num_drafted"])
+        del llm
+        free_memory()
+    for name in ("greedy", "sampled"):
+        (g, ga, gd), (e, ea, ed) = runs[("graphs", name)], runs[("eager", name)]
+        results["correctness"][f"demo pair drafts, graphs == eager, {name}"] = {
+            "tokens_equal": g == e, "accepted_graphs": f"{ga}/{gd}", "accepted_eager": f"{ea}/{ed}"}
 
 
 @contextmanager
@@ -284,7 +310,7 @@ def phase_timing(engine):
     graph_sets = [engine.runner.graphs]
     if engine.proposer is not None:
         targets.append(("propose", engine.proposer, "propose"))
-        graph_sets += [getattr(engine.proposer, name, None) for name in ("catch_up_graphs", "draft_graphs")]
+        graph_sets += [engine.proposer.catch_up_graphs, *engine.proposer.draft_graphs[:1]]  # [0] loads them all
     return timing(*targets, *(("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None))
 
 

@@ -282,10 +282,10 @@ def test_eagle3_head_matches_reference(tmp_path, checkpoint, with_embedding):
     pages = [[3, 1, 4, 0, 5, 2]]
     with torch.no_grad():
         batch = ForwardBatch.build([tokens[:n]], [0], pages, PAGE_SIZE, "cpu")
-        first = head(batch.input_ids, aux[:n], batch, kv_cache)
+        first_normed, first = head(batch.input_ids, aux[:n], batch, kv_cache)
         batch = ForwardBatch.build([tokens[n:]], [n], pages, PAGE_SIZE, "cpu")
-        second = head(batch.input_ids, first[-1:], batch, kv_cache)
-        logits = head.compute_logits(torch.cat([first, second]))
+        second_normed, second = head(batch.input_ids, first[-1:], batch, kv_cache)
+        logits = head.compute_logits(torch.cat([first_normed, second_normed]))
         hidden = torch.cat([aux[:n] @ tensors["fc.weight"].T, first[-1:]])
         ref_prenorm, ref_logits = eagle3_reference(tensors, embed, cfg.head_dim, tokens, hidden)
     torch.testing.assert_close(torch.cat([first, second]), ref_prenorm, atol=ATOL, rtol=0)

@@ -65,6 +65,11 @@ class ForwardBatch:
         return ForwardBatch(ids, positions, query_start_loc, seq_lens, last_index, host.page_table(buffer), slots,
                             max_query_len=host.max_query_len, max_seq_len=host.max_seq_len)
 
+    def at_last_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of x [T, ...] at each request's last query token: x itself when every
+        request has one (a drafter's one-token steps), with no gather."""
+        return x if self.max_query_len == 1 else x[self.last_index]
+
     def advance(self, limits: torch.Tensor, page_size: int) -> None:
         """For a batch of one query token per request: move each request's token to the next
         position while that stays below its limit; a request at its limit stays put and

@@ -3,7 +3,8 @@ that carry prompt tokens (`PiecewiseGraphs`, below).
 
 One graph per (batch bucket, tokens per request W). For the target, W = 1 is the plain
 decode and W = 1 + K verifies up to K drafts per request; drafters capture their catch-up
-(W up to K + 1) and their one-token draft steps the same way. A step replays the smallest
+(W up to K + 1) the same way, and their one-token draft steps as one set per number of
+steps chained in a graph, the sets sharing one memory pool and one set of inputs. A step replays the smallest
 graph that fits it: requests beyond the real ones have no tokens and an empty context,
 tokens beyond the real ones write nowhere (slot -1). The plain decode graph is the same
 whether or not speculation is configured. Graphs of one set share a memory pool and one
@@ -24,9 +25,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 32
 class CudaGraphs:
     def __init__(self, forward: Callable[[ForwardBatch, torch.Tensor | None], object], page_size: int,
                  max_model_len: int, max_batch: int, max_width: int, device: torch.device,
-                 state_width: int = 0, state_dtype: torch.dtype | None = None, per_row: bool = False):
+                 state_width: int = 0, state_dtype: torch.dtype | None = None, per_row: bool = False,
+                 inputs_of: "CudaGraphs | None" = None):
         """forward(batch, state) runs the model; its outputs are per token, or per request
-        when `per_row` (e.g. a drafter's logits at each request's last token)."""
+        when `per_row` (e.g. a drafter's logits at each request's last token). With
+        `inputs_of`, the graphs read that set's input buffers (so one `load` serves both)."""
         self.forward = forward
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -35,13 +38,18 @@ class CudaGraphs:
         self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
         self.widths = list(range(1, max_width + 1))
         max_tokens = max_batch * max_width
-        # The inputs, laid out as `HostBatch` lays them out for each graph's shape, so that a
-        # step fills them in three host-to-device copies.
-        self.tokens = torch.zeros(HostBatch.tokens_len_for(max_tokens), dtype=torch.int64, device=device)
-        self.rows = torch.zeros(HostBatch.rows_len_for(max_batch), dtype=torch.int32, device=device)
-        self.page_table = torch.zeros(max_batch, -(-max_model_len // page_size), dtype=torch.int32, device=device)
-        self.state = (torch.zeros(max_tokens, state_width, dtype=state_dtype, device=device)
-                      if state_width else None)
+        if inputs_of is not None:
+            self.tokens, self.rows, self.page_table, self.state = (inputs_of.tokens, inputs_of.rows,
+                                                                   inputs_of.page_table, inputs_of.state)
+        else:
+            # The inputs, laid out as `HostBatch` lays them out for each graph's shape, so that
+            # a step fills them in three host-to-device copies.
+            self.tokens = torch.zeros(HostBatch.tokens_len_for(max_tokens), dtype=torch.int64, device=device)
+            self.rows = torch.zeros(HostBatch.rows_len_for(max_batch), dtype=torch.int32, device=device)
+            self.page_table = torch.zeros(max_batch, -(-max_model_len // page_size), dtype=torch.int32,
+                                          device=device)
+            self.state = (torch.zeros(max_tokens, state_width, dtype=state_dtype, device=device)
+                          if state_width else None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, object]] = {}
 
     def view(self, b: int, w: int) -> ForwardBatch:
@@ -51,8 +59,8 @@ class CudaGraphs:
                             max_query_len=w, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
+    def capture(self, pool=None):
+        """Capture every graph (into `pool`, if given). Returns the memory pool."""
         stream = torch.cuda.Stream(self.device)
         for w in reversed(self.widths):          # largest first: later graphs reuse its memory
             for b in reversed(self.buckets):
@@ -74,6 +82,7 @@ class CudaGraphs:
                 pool = graph.pool()
                 self.graphs[(b, w)] = (graph, batch, out)
         torch.cuda.synchronize(self.device)
+        return pool
 
     def fits(self, num_seqs: int, width: int) -> bool:
         return num_seqs <= self.buckets[-1] and width <= self.widths[-1]

@@ -68,13 +68,17 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """Same results as RMSNorm.forward: normed, or (normed, x + residual). x may be a
-    strided view (e.g. heads of the fused qkv output, for q/k norm)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None):
+    """Same results as RMSNorm.forward: normed (into `out`, which may be a view with unit
+    last stride), or (normed, x + residual). x may be a strided view (e.g. heads of the
+    fused qkv output, for q/k norm)."""
     n = x.shape[-1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype if residual is None
                                     else torch.promote_types(x.dtype, residual.dtype))
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == out_dtype and out.stride(-1) == 1
     x3, o3 = _as_3d(x), _as_3d(out)
     if residual is not None:
         s = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)

@@ -13,18 +13,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x) -> normed, or norm(x, residual) -> (norm(x + residual), x + residual).
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
+        """norm(x) -> normed, or norm(x, residual) -> (norm(x + residual), x + residual);
+        normed is written to `out` if given (e.g. a slice of a concatenation).
 
         Same order of operations as transformers: add in the model dtype, normalise in
         float32, cast back, then scale by the weight."""
         if x.is_cuda:
             from tidal.layers import fused
 
-            return fused.rms_norm(x, self.weight, self.eps, residual)
+            return fused.rms_norm(x, self.weight, self.eps, residual, out)
         if residual is not None:
             x = x + residual
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.weight * h.to(x.dtype)
+        if out is not None:
+            normed = out.copy_(normed)
         return normed if residual is None else (normed, x)

@@ -109,19 +109,23 @@ class Eagle3Head(nn.Module):
         hidden: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for tokens [T] at batch.positions: hidden is the target's aux
-        states [T, 3*Ht] or the previous step's prenorm [T, H]. Returns prenorm [T, H]."""
+        states [T, 3*Ht] or the previous step's prenorm [T, H]. Returns (norm(prenorm),
+        prenorm), both [T, H]: the final norm adds the residual in the same kernel."""
         if hidden.shape[-1] == 3 * self.cfg.target_hidden_size:
             hidden = self.fc(hidden)
-        x = torch.cat([self.input_layernorm(self.embed_tokens(input_ids)), self.hidden_norm(hidden)], dim=-1)
+        size = hidden.shape[-1]
+        x = torch.empty(hidden.shape[0], 2 * size, dtype=hidden.dtype, device=hidden.device)
+        self.input_layernorm(self.embed_tokens(input_ids), out=x[:, :size])  # [embed | hidden], normed in place
+        self.hidden_norm(hidden, out=x[:, size:])
         x = self.self_attn(x, self.rotary, batch, kv_cache)
         x, residual = self.post_attention_layernorm(x, hidden)
-        return self.mlp(x) + residual
+        return self.norm(self.mlp(x), residual)
 
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [T, Vd] in float32."""
-        return self.lm_head(self.norm(prenorm)).float()
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [T, Vd] in float32, from `forward`'s normed states."""
+        return self.lm_head(normed).float()
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]

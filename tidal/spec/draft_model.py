@@ -41,7 +41,7 @@ class DraftModelProposer(ChainDrafter):
 
     def forward(self, batch, state):
         hidden = self.model(batch.input_ids, batch, self.kv_caches)
-        return self.model.compute_logits(hidden[batch.last_index]), None
+        return self.model.compute_logits(batch.at_last_tokens(hidden)), None
 
     def absorbed(self, req, k, pending):
         return req.num_tokens + pending + k - 1

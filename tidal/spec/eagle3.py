@@ -49,9 +49,8 @@ class Eagle3Proposer(ChainDrafter):
         return req.num_tokens + pending + j - 2
 
     def forward(self, batch, state):
-        prenorm = self.head(batch.input_ids, state, batch, self.kv_cache)
-        last = prenorm[batch.last_index]
-        return self.head.compute_logits(last), last
+        normed, prenorm = self.head(batch.input_ids, state, batch, self.kv_cache)
+        return self.head.compute_logits(batch.at_last_tokens(normed)), batch.at_last_tokens(prenorm)
 
     def state_width(self, catching_up):
         return self.runner.aux_cache.shape[1] if catching_up else self.config.model.hidden_size

@@ -46,7 +46,10 @@ class Proposer(Protocol):
 class ChainDrafter(ABC):
     """The loop shared by model drafters: one batched extend that catches each request up
     (its last position's logits give draft 1), then one decode per further draft position.
-    Draft tokens stay on the device: the host never waits for the drafter.
+    Draft tokens stay on the device: the host never waits for the drafter. Greedy drafts
+    chain on the device: each step writes its draft where the next one reads its input
+    (`drafted`), so all the steps after the catch-up replay as one graph; sampled drafts
+    come back to the host's sampling between steps.
 
     Planned ahead of a step in flight, a row is drafted for as if that step committed all
     its `commits` tokens (`pending` below): the catch-up feeds them from the device, and
@@ -55,15 +58,18 @@ class ChainDrafter(ABC):
     committed lies past `num_absorbed` (the commit trims it), so it is never trusted."""
 
     drafts_ahead = True
-    catch_up_graphs: CudaGraphs | None = None
-    draft_graphs: CudaGraphs | None = None
 
     def __init__(self, runner, vocab_size: int):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
-        # Per row, the position the draft steps stop before (`ForwardBatch.advance`); the
-        # draft graphs read it in place.
-        self.limits = torch.zeros(runner.config.max_num_seqs, dtype=torch.int64, device=runner.device)
+        max_seqs, k = runner.config.max_num_seqs, runner.config.speculative_config.num_speculative_tokens
+        # Per row, the position the draft steps stop before (`ForwardBatch.advance`), and its
+        # greedy drafts in target ids (the catch-up writes column 0, draft step j column j
+        # and feeds column j - 1); the graphs read and write both in place.
+        self.limits = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+        self.drafted = torch.zeros(max_seqs, max(k, 1), dtype=torch.int64, device=runner.device)
+        self.catch_up_graphs: CudaGraphs | None = None
+        self.draft_graphs: list[CudaGraphs] = []  # [s - 1]: graphs of s chained draft steps
 
     @abstractmethod
     def catch_up(self, reqs, starts: list[int], pending: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -98,22 +104,34 @@ class ChainDrafter(ABC):
         if runner.device.type != "cuda":
             return
         for batch in runner.warmup_batches(runner.config.max_num_batched_tokens):
-            for catching_up in (True, False):
-                self.forward(batch, self.dummy_state(batch.num_tokens, catching_up))
+            self._catch_up(batch, self.dummy_state(batch.num_tokens, True))
+            self.forward(batch, self.dummy_state(batch.num_tokens, False))
         torch.cuda.synchronize(runner.device)
-        if not runner.config.enforce_eager:
-            self.catch_up_graphs = self._capture(runner.config.speculative_config.num_speculative_tokens + 1, True)
-            self.draft_graphs = self._capture(1, False)
+        if runner.config.enforce_eager:
+            return
+        k = runner.config.speculative_config.num_speculative_tokens
+        self.catch_up_graphs = self._graphs(self._catch_up, k + 1, True)
+        self.catch_up_graphs.capture()
+        # Graphs of s chained draft steps, s = 1 .. K - 1: one replay drafts greedily to K;
+        # sampled drafts replay s = 1 once a step. One pool and one set of inputs.
+        self.draft_graphs, pool = [], None
+        for steps in range(k - 1, 0, -1):  # longest first: the others reuse its memory
+            graphs = self._graphs(lambda batch, state, s=steps: self._draft_steps(batch, state, s), 1, False,
+                                  self.draft_graphs[0] if self.draft_graphs else None)
+            pool = graphs.capture(pool)
+            self.draft_graphs.insert(0, graphs)
 
-    def _capture(self, width: int, catching_up: bool) -> CudaGraphs:
-        """Graphs for catch-ups of up to K + 1 tokens per request (what follows a verify
-        step; longer ones run eagerly) or for the one-token draft steps."""
+    def _graphs(self, forward, width: int, catching_up: bool, inputs_of: CudaGraphs | None = None) -> CudaGraphs:
         runner = self.runner
-        graphs = CudaGraphs(self.forward if catching_up else self._draft_step, runner.page_size,
-                            runner.max_model_len, runner.config.max_num_seqs, width, runner.device,
-                            self.state_width(catching_up), runner.dtype, per_row=True)
-        graphs.capture()
-        return graphs
+        return CudaGraphs(forward, runner.page_size, runner.max_model_len, runner.config.max_num_seqs, width,
+                          runner.device, self.state_width(catching_up), runner.dtype, per_row=True,
+                          inputs_of=inputs_of)
+
+    def _catch_up(self, batch: ForwardBatch, state: torch.Tensor | None):
+        """The catch-up forward, writing each row's greedy draft 1 to `drafted`."""
+        logits, out = self.forward(batch, state)
+        self.drafted[:batch.num_seqs, 0] = self.to_target(greedy_tokens(logits))
+        return logits, out
 
     def scatter(self, probs: torch.Tensor, rows: torch.Tensor, j: int, q: torch.Tensor) -> None:
         probs[rows, j] = q
@@ -142,8 +160,7 @@ class ChainDrafter(ABC):
             rejected = ahead.rejected if len(rows) == len(plan.requests) else ahead.rejected[rows_t]
             counters = counters - rejected
         probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
-        tokens = torch.zeros(len(reqs), max(ks), dtype=torch.int64, device=device)
-        pages = [r.pages for r in reqs]
+        pages, num_rows = [r.pages for r in reqs], len(reqs)
 
         # A commit still to come may have raised num_absorbed past num_computed, which is
         # where the drafter's trusted KV ends.
@@ -154,14 +171,22 @@ class ChainDrafter(ABC):
             source = ahead.tokens if len(rows) == len(plan.requests) else ahead.tokens[rows_t]
             input_ids = with_device_tails(feeds, pending, source)
         logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state, input_ids, rejected)
-        tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
+        if not st.all_greedy:
+            tokens = torch.zeros(num_rows, max(ks), dtype=torch.int64, device=device)
+            tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
         if limits:
             self.limits.copy_(limits_t)
             if rejected is not None:
-                self.limits[:len(reqs)].sub_(rejected)
-            draft = self._draft_steps(reqs, pending, max(limits), pages, state, rejected)
-            for j in range(1, max(ks)):
-                tokens[:, j] = self._sample(draft(tokens[:, j - 1]), st, counters + j, probs, rows_t, j)
+                self.limits[:num_rows].sub_(rejected)
+            chain = self._draft_chain(reqs, pending, max(limits), pages, state, rejected)
+            if st.all_greedy:
+                chain(max(ks) - 1)
+            else:
+                for j in range(1, max(ks)):
+                    self.drafted[:num_rows, 0] = tokens[:, j - 1]
+                    tokens[:, j] = self._sample(chain(1), st, counters + j, probs, rows_t, j)
+        if st.all_greedy:
+            tokens = self.drafted[:num_rows, :max(ks)].clone()
         for r, k, n in zip(reqs, ks, pending):
             r.num_absorbed = self.absorbed(r, k, n)
         lens = [0] * len(plan.requests)
@@ -173,9 +198,9 @@ class ChainDrafter(ABC):
         return Drafts(tokens, lens, probs)
 
     def _run(self, graphs, feeds, starts, pages, state, input_ids=None, rejected=None):
-        """One catch-up forward, replayed from a graph when one fits. `input_ids` (on the
-        device) replace the fed tokens; `rejected[i]` tokens at the end of row i are not
-        real, so its logits come from before them."""
+        """One catch-up forward (`_catch_up`), replayed from a graph when one fits.
+        `input_ids` (on the device) replace the fed tokens; `rejected[i]` tokens at the end
+        of row i are not real, so its logits come from before them."""
         width, n = max(len(f) for f in feeds), len(feeds)
         if graphs is not None and graphs.fits(n, width):
             key = graphs.load(feeds, starts, pages, width, state, input_ids)
@@ -187,48 +212,41 @@ class ChainDrafter(ABC):
             batch.input_ids.copy_(input_ids)
         if rejected is not None:
             batch.last_index.sub_(rejected.to(torch.int32))
-        return self.forward(batch, state)
+        return self._catch_up(batch, state)
 
-    def _draft_steps(self, reqs, pending, max_limit, pages, state, rejected):
-        """The one-token steps after the catch-up, as a function from the tokens to feed to
-        the logits. Their inputs are set once, at each row's last catch-up position; each
-        step then moves every row on by one position (`ForwardBatch.advance`, up to its
-        entry of `self.limits`, the largest being `max_limit`) on the device, inside the
-        graph when one fits: the host only feeds the tokens and replays. A row past its own
-        K stays put and stores nothing (its drafts there are not used)."""
+    def _draft_chain(self, reqs, pending, max_limit, pages, state, rejected):
+        """The one-token steps after the catch-up, as a function that runs the next `steps`
+        of them (`_draft_steps`) and returns the last one's logits. Their inputs are set
+        once, at each row's last catch-up position; each step then moves every row on by one
+        position (`ForwardBatch.advance`, up to its entry of `self.limits`, the largest being
+        `max_limit`) on the device, inside the graph when one fits: the host only replays.
+        A row past its own K stays put and stores nothing (its drafts there are not used)."""
         runner, n = self.runner, len(reqs)
         feeds, starts = [[0]] * n, [self.next_position(r, 0, p) for r, p in zip(reqs, pending)]
-        graphs = self.draft_graphs
-        if graphs is not None and graphs.fits(n, 1):
-            key = graphs.load(feeds, starts, pages, 1, state, rejected=rejected)
-            batch = graphs.inputs(key)
-
-            def step(tokens):
-                batch.input_ids[:n].copy_(tokens)
-                return graphs.replay(key, n, n)[0]
-            return step
+        if self.draft_graphs and self.draft_graphs[0].fits(n, 1):
+            key = self.draft_graphs[0].load(feeds, starts, pages, 1, state, rejected=rejected)
+            return lambda steps: self.draft_graphs[steps - 1].replay(key, n, n)[0]
         batch = ForwardBatch.build(feeds, starts, pages, runner.page_size, runner.device)
         if rejected is not None:
             batch.move_back(rejected, runner.page_size)
         batch.max_seq_len = max_limit
+        return lambda steps: self._draft_steps(batch, state, steps)
 
-        def step(tokens):
-            batch.input_ids.copy_(tokens)
-            return self._draft_step(batch, state)
-        return step
-
-    def _draft_step(self, batch: ForwardBatch, state: torch.Tensor | None) -> torch.Tensor:
-        """Move every row on by one position, then run the drafter there; its output state
-        is the next step's input."""
-        batch.advance(self.limits[:batch.num_seqs], self.runner.page_size)
-        logits, out = self.forward(batch, state)
-        if state is not None:
-            state.copy_(out)
+    def _draft_steps(self, batch: ForwardBatch, state: torch.Tensor | None, steps: int) -> torch.Tensor:
+        """`steps` draft steps. Step j feeds each row's draft j - 1 (`drafted`), moves the row
+        on by one position, runs the drafter there and writes its greedy draft j; its output
+        state is the next step's input. Returns the last step's logits."""
+        n = batch.num_seqs
+        for j in range(1, steps + 1):
+            batch.input_ids.copy_(self.drafted[:n, j - 1])
+            batch.advance(self.limits[:n], self.runner.page_size)
+            logits, out = self.forward(batch, state)
+            if state is not None:
+                state.copy_(out)
+            self.drafted[:n, j] = self.to_target(greedy_tokens(logits))
         return logits
 
     def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
-        if st.all_greedy:
-            return self.to_target(greedy_tokens(logits))
         q = processed_probs(logits, st)
         self.scatter(probs, rows, j, q)
         return self.to_target(sample_from_probs(q, st.seeds, counters, STREAM_DRAFT))
