@@ -178,6 +178,8 @@ def test_argmax_is_torchs_first_index_of_the_maximum(n, vocab):
         x[1] = float("-inf")
         x[2, :vocab // 2] = float("-inf")
     assert fused.argmax(x).tolist() == x.argmax(-1).tolist()
+    lookup, out = torch.randperm(vocab), torch.full((n,), -1, dtype=torch.int64)  # a drafter's draft -> target ids
+    assert fused.argmax(x, out, lookup) is out and out.tolist() == lookup[x.argmax(-1)].tolist()
 
 
 @pytest.mark.parametrize("vocab", [7, 3000])
@@ -202,3 +204,31 @@ def test_top_p_search_keeps_what_sorting_keeps(vocab):
     assert expected[4] == scaled[4].max() and expected[3] == scaled[3].max()  # one value kept
     top_p[5] = 1.0
     assert fused.top_p_threshold(scaled, floor, top_p)[5] == float("-inf")
+
+
+@pytest.mark.parametrize("simulate", [None, 0.6])
+def test_greedy_accept_commits_what_verify_commits(simulate):
+    """`fused.greedy_accept` takes what `verify`'s greedy rows take: drafts equal to the
+    target's argmax (or, simulating, drawing under the rate) up to each row's draft length,
+    then the argmax after them; rows of every length 0..K, on row-strided drafts."""
+    from tidal.config import SamplingParams
+    from tidal.layers.sampler import STREAM_ACCEPT, SamplingTensors, hash_uniform
+    from tidal.spec.verify import verify
+
+    torch.manual_seed(0)
+    B, K, V = 64, 4, 6
+    logits = torch.randn(B, K + 1, V)
+    best = logits.argmax(-1)
+    wide = torch.zeros(B, K + 2, dtype=torch.int64)
+    wide[:, :K] = torch.where(torch.rand(B, K) < 0.8, best[:, :K], torch.randint(0, V, (B, K)))
+    drafts = wide[:, :K]
+    lens = torch.randint(0, K + 1, (B,))
+    st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu")
+    counters = torch.arange(B) * 7
+    want_tokens, want_accept = verify(logits, drafts, None, lens, st, counters, simulate)
+    u = None if simulate is None else hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + torch.arange(K),
+                                                   STREAM_ACCEPT)
+    tokens, accept = fused.greedy_accept(best, drafts, lens, u, simulate or 0.0)
+    assert accept.tolist() == want_accept.tolist()
+    assert len(set(accept.tolist())) >= 4  # short and long prefixes both occur
+    assert [t[:n] for t, n in zip(tokens.tolist(), accept)] == [t[:n] for t, n in zip(want_tokens.tolist(), accept)]

@@ -273,13 +273,14 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, count_ptr, stride, V, BLOCKS_PER_SPLIT,
-                       BLOCK: tl.constexpr, RACE: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr):
+def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, lookup_ptr, count_ptr, stride, V,
+                       BLOCKS_PER_SPLIT, BLOCK: tl.constexpr, RACE: tl.constexpr, SPLIT: tl.constexpr,
+                       SPLITS_PAD: tl.constexpr, LOOKUP: tl.constexpr):
     """Program (row, split): the first v in the split's blocks with the largest score, where
     the score is x[v] itself, or with RACE the exponential race's x[v] / -log(u(key, v)),
     u being `sampler`'s uniform of the row's key and vocabulary index v; one pass over x.
     With several splits the last of a row to finish (an atomic count) takes the first
-    split holding the largest score."""
+    split holding the largest score. With LOOKUP it writes lookup[v] instead of v."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     best = tl.full((), float("-inf"), tl.float32)
@@ -300,6 +301,8 @@ def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, count_ptr,
         best_index = tl.where(top > best, first, best_index)
         best = tl.maximum(top, best)
     if not SPLIT:
+        if LOOKUP:
+            best_index = tl.load(lookup_ptr + best_index)
         tl.store(out_ptr + row, best_index.to(tl.int64))
     else:
         splits = tl.num_programs(1)
@@ -311,7 +314,10 @@ def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, count_ptr,
             found = tl.load(best_ptr + row * splits + offs, mask=offs < splits, other=float("-inf"),
                             cache_modifier=".cg")
             winner = tl.min(tl.where(found == tl.max(found, axis=0), offs, SPLITS_PAD), axis=0)
-            tl.store(out_ptr + row, tl.load(index_ptr + row * splits + winner, cache_modifier=".cg").to(tl.int64))
+            index = tl.load(index_ptr + row * splits + winner, cache_modifier=".cg")
+            if LOOKUP:
+                index = tl.load(lookup_ptr + index)
+            tl.store(out_ptr + row, index.to(tl.int64))
             tl.atomic_xchg(count_ptr + row, 0)
 
 
@@ -319,13 +325,17 @@ _BEST_BLOCK = 2048
 _BEST_PROGRAMS = 512  # enough to fill the GPU when there are few rows
 
 
-def _first_best(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
-    """Per row of x [N, V], the first index of the largest score (see `_first_best_kernel`).
-    With few rows a row is split over several programs; the first split holding the
-    largest score wins, so ties go to the first index, as with torch's argmax."""
+def _first_best(x: torch.Tensor, keys: torch.Tensor | None, out: torch.Tensor | None = None,
+                lookup: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of x [N, V], the first index of the largest score (see `_first_best_kernel`),
+    or its entry of `lookup`, written to `out` (contiguous int64 [N]) if given. With few
+    rows a row is split over several programs; the first split holding the largest score
+    wins, so ties go to the first index, as with torch's argmax."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     n, v = x.shape
-    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=x.device)
+    assert out.shape == (n,) and out.dtype == torch.int64 and out.is_contiguous()
     if n == 0:
         return out
     blocks = triton.cdiv(v, _BEST_BLOCK)
@@ -341,17 +351,19 @@ def _first_best(x: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
     keys = keys.expand(n).contiguous() if race else x  # unread without the race
     # The padding is the most splits this vocabulary can have, so that a new row count does
     # not compile another kernel in the middle of serving.
-    _first_best_kernel[(n, splits)](x, keys, best, index, out, counts, x.stride(0), v, per_split,
-                                    BLOCK=_BEST_BLOCK, RACE=race, SPLIT=splits > 1,
-                                    SPLITS_PAD=triton.next_power_of_2(min(blocks, _BEST_PROGRAMS)), num_warps=8)
+    _first_best_kernel[(n, splits)](x, keys, best, index, out, out if lookup is None else lookup, counts,
+                                    x.stride(0), v, per_split, BLOCK=_BEST_BLOCK, RACE=race, SPLIT=splits > 1,
+                                    SPLITS_PAD=triton.next_power_of_2(min(blocks, _BEST_PROGRAMS)),
+                                    LOOKUP=lookup is not None, num_warps=8)
     return out
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, out: torch.Tensor | None = None, lookup: torch.Tensor | None = None) -> torch.Tensor:
     """torch's argmax over the last dim of x [N, V] (NaN aside), in one pass that splits long
     rows over several programs: torch reduces a row of a 128k vocabulary in one block
-    (31.5 us at one row on an H200 from a graph, against 14.7 here; run34)."""
-    return _first_best(x, None)
+    (31.5 us at one row on an H200 from a graph, against 14.7 here; run34). With `lookup`,
+    lookup[argmax] (e.g. a drafter's draft-to-target ids); into `out`, if given."""
+    return _first_best(x, None, out, lookup)
 
 
 def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -477,6 +489,45 @@ def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tens
         _top_p_kernel[(n,)](scaled, floor.contiguous(), top_p, out, scaled.stride(0), v, BLOCK=1024, G=group,
                             num_warps=8)
     return out
+
+
+@triton.jit
+def _greedy_accept_kernel(best_ptr, drafts_ptr, lens_ptr, u_ptr, tokens_ptr, accept_ptr, sb, sd, su, threshold,
+                          K, W, SIMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row program: the accepted prefix of the drafts (each equal to the target's argmax
+    before it or, with SIMULATE, each drawing u < threshold, up to the row's draft length),
+    then the argmax after it."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    drafted = j < K
+    draft = tl.load(drafts_ptr + row * sd + j, mask=drafted, other=0)
+    best = tl.load(best_ptr + row * sb + j, mask=j < W, other=0)
+    if SIMULATE:
+        ok = tl.load(u_ptr + row * su + j, mask=drafted, other=1.0) < threshold
+    else:
+        ok = draft == best
+    ok = ok & drafted & (j < tl.load(lens_ptr + row))
+    accepted = tl.min(tl.where(ok, BLOCK, j), axis=0)  # the first position not accepted
+    bonus = tl.sum(tl.where(j == accepted, best, 0), axis=0)
+    tl.store(tokens_ptr + row * W + j, tl.where(j < accepted, draft, tl.where(j == accepted, bonus, 0)), mask=j < W)
+    tl.store(accept_ptr + row, accepted + 1)
+
+
+def greedy_accept(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor, u: torch.Tensor | None,
+                  threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify.verify` for greedy rows in one kernel: the target's argmax best [B, W], the
+    drafts [B, W - 1], their lengths [B] and, when simulating acceptance, the uniforms
+    [B, W - 1] (draft j accepted if u < threshold). Returns token_ids [B, W] (zero past
+    the one after the accepted prefix) and accept_lens [B]. The torch version is a dozen
+    kernels."""
+    b, w = best.shape
+    tokens = torch.empty(b, w, dtype=torch.int64, device=best.device)
+    accept = torch.empty(b, dtype=torch.int64, device=best.device)
+    if b:
+        _greedy_accept_kernel[(b,)](best, drafts, draft_lens.contiguous(), drafts if u is None else u, tokens, accept,
+                                    best.stride(0), drafts.stride(0), 0 if u is None else u.stride(0), threshold,
+                                    w - 1, w, SIMULATE=u is not None, BLOCK=triton.next_power_of_2(w))
+    return tokens, accept
 
 
 @triton.jit

@@ -183,14 +183,19 @@ def sorted_top_p(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor)
     return ordered.gather(1, num_kept - 1).squeeze(1)
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor, lookup: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """argmax over the last dim of logits [..., V] (on CUDA by `fused.argmax`, which splits
-    a row over many programs where torch reduces it in one)."""
+    a row over many programs where torch reduces it in one); with `lookup`, its entries
+    there; written to `out` (contiguous, of the result's shape) if given."""
     if not logits.is_cuda:
-        return logits.argmax(-1)
+        ids = logits.argmax(-1)
+        ids = ids if lookup is None else lookup[ids]
+        return ids if out is None else out.copy_(ids)
     from tidal.layers import fused
 
-    return fused.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+    flat = None if out is None else out.view(-1)
+    return fused.argmax(logits.reshape(-1, logits.shape[-1]), flat, lookup).view(logits.shape[:-1])
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,

@@ -55,9 +55,6 @@ class Eagle3Proposer(ChainDrafter):
     def state_width(self, catching_up):
         return self.runner.aux_cache.shape[1] if catching_up else self.config.model.hidden_size
 
-    def to_target(self, ids):
-        return self.draft_ids[ids]
-
     def scatter(self, probs, rows, j, q):
         probs[rows[:, None], j, self.draft_ids[None, :]] = q
 

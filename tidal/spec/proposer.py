@@ -15,6 +15,7 @@ when drafting resumes. The scheduler keeps `num_absorbed <= num_computed` (at co
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -63,11 +64,13 @@ class ChainDrafter(ABC):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
         max_seqs, k = runner.config.max_num_seqs, runner.config.speculative_config.num_speculative_tokens
-        # Per row, the position the draft steps stop before (`ForwardBatch.advance`), and its
-        # greedy drafts in target ids (the catch-up writes column 0, draft step j column j
-        # and feeds column j - 1); the graphs read and write both in place.
+        # Per row, the position the draft steps stop before (`ForwardBatch.advance`); and per
+        # draft position j, each row's greedy draft in target ids (the catch-up writes
+        # drafted[0], draft step j writes drafted[j] and feeds drafted[j - 1]). The graphs
+        # read and write both in place.
         self.limits = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
-        self.drafted = torch.zeros(max_seqs, max(k, 1), dtype=torch.int64, device=runner.device)
+        self.drafted = torch.zeros(max(k, 1), max_seqs, dtype=torch.int64, device=runner.device)
+        self.draft_ids: torch.Tensor | None = None  # target id of each drafter id (None: the same)
         self.catch_up_graphs: CudaGraphs | None = None
         self.draft_graphs: list[CudaGraphs] = []  # [s - 1]: graphs of s chained draft steps
 
@@ -94,7 +97,7 @@ class ChainDrafter(ABC):
         return torch.zeros(num_tokens, width, dtype=self.runner.dtype, device=self.runner.device) if width else None
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids
+        return ids if self.draft_ids is None else self.draft_ids[ids]
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -130,7 +133,7 @@ class ChainDrafter(ABC):
     def _catch_up(self, batch: ForwardBatch, state: torch.Tensor | None):
         """The catch-up forward, writing each row's greedy draft 1 to `drafted`."""
         logits, out = self.forward(batch, state)
-        self.drafted[:batch.num_seqs, 0] = self.to_target(greedy_tokens(logits))
+        greedy_tokens(logits, self.draft_ids, out=self.drafted[0, :batch.num_seqs])
         return logits, out
 
     def scatter(self, probs: torch.Tensor, rows: torch.Tensor, j: int, q: torch.Tensor) -> None:
@@ -183,10 +186,10 @@ class ChainDrafter(ABC):
                 chain(max(ks) - 1)
             else:
                 for j in range(1, max(ks)):
-                    self.drafted[:num_rows, 0] = tokens[:, j - 1]
+                    self.drafted[0, :num_rows] = tokens[:, j - 1]
                     tokens[:, j] = self._sample(chain(1), st, counters + j, probs, rows_t, j)
         if st.all_greedy:
-            tokens = self.drafted[:num_rows, :max(ks)].clone()
+            tokens = self.drafted[:max(ks), :num_rows].t().contiguous()
         for r, k, n in zip(reqs, ks, pending):
             r.num_absorbed = self.absorbed(r, k, n)
         lens = [0] * len(plan.requests)
@@ -233,17 +236,16 @@ class ChainDrafter(ABC):
         return lambda steps: self._draft_steps(batch, state, steps)
 
     def _draft_steps(self, batch: ForwardBatch, state: torch.Tensor | None, steps: int) -> torch.Tensor:
-        """`steps` draft steps. Step j feeds each row's draft j - 1 (`drafted`), moves the row
-        on by one position, runs the drafter there and writes its greedy draft j; its output
-        state is the next step's input. Returns the last step's logits."""
+        """`steps` draft steps. Step j feeds each row's draft j - 1 (`drafted`, read in place),
+        moves the row on by one position, runs the drafter there and writes its greedy draft
+        j; its output state is the next step's input. Returns the last step's logits."""
         n = batch.num_seqs
         for j in range(1, steps + 1):
-            batch.input_ids.copy_(self.drafted[:n, j - 1])
             batch.advance(self.limits[:n], self.runner.page_size)
-            logits, out = self.forward(batch, state)
+            logits, out = self.forward(replace(batch, input_ids=self.drafted[j - 1, :n]), state)
             if state is not None:
                 state.copy_(out)
-            self.drafted[:n, j] = self.to_target(greedy_tokens(logits))
+            greedy_tokens(logits, self.draft_ids, out=self.drafted[j, :n])
         return logits
 
     def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:

@@ -51,6 +51,12 @@ def verify(
     greedy_only = st.all_greedy
     if greedy_only:
         target_argmax = greedy_tokens(target_logits)  # [B, W]
+        if target_logits.is_cuda:
+            from tidal.layers import fused  # the rest in one kernel
+
+            u = None if simulate_acceptance is None else hash_uniform(
+                seeds, counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT)
+            return fused.greedy_accept(target_argmax, draft_tokens, draft_lens, u, simulate_acceptance or 0.0)
     else:
         p = processed_probs(target_logits.reshape(B * W, V), st.repeat_rows(W)).view(B, W, V)
 
