@@ -1,4 +1,4 @@
-"""One closed-loop cell (c = 70 or 250 clients) at one acceptance level, step by step,
+"""One closed-loop cell (c = 10, 70 or 250 clients) at one acceptance level, step by step,
 from a run's logs; "full" means at least 85% of c rows (the same rows for every policy:
 the ramp and the tail left out):
 1. each policy's decode-only and prompt-carrying steps at full rows: time a step, tokens
@@ -15,7 +15,7 @@ import json
 import sys
 
 run, acc, load = sys.argv[1], sys.argv[2], sys.argv[3]
-clients, below = {"c=70": (70, 10), "c=250": (250, 70)}[load]
+clients, below = {"c=10": (10, 1), "c=70": (70, 10), "c=250": (250, 70)}[load]
 full = 0.85 * clients
 dec = [json.loads(l) for l in gzip.open(f"{run}/decisions_a{acc}.jsonl.gz")]
 steps = [json.loads(l) for l in gzip.open(f"{run}/steps_a{acc}.jsonl.gz")]
