@@ -4,11 +4,12 @@ that carry prompt tokens (`PiecewiseGraphs`, below).
 One graph per (batch bucket, tokens per request W). For the target, W = 1 is the plain
 decode and W = 1 + K verifies up to K drafts per request; drafters capture their catch-up
 (W up to K + 1) the same way, and their one-token draft steps as one set per number of
-steps chained in a graph, the sets sharing one memory pool and one set of inputs. A step replays the smallest
-graph that fits it: requests beyond the real ones have no tokens and an empty context,
-tokens beyond the real ones write nowhere (slot -1). The plain decode graph is the same
-whether or not speculation is configured. Graphs of one set share a memory pool and one
-set of input buffers (ids, positions, batch metadata and, for drafters, an input state).
+steps chained in a graph (the sets share one memory pool and one set of inputs). A step
+replays the smallest graph that fits it: requests beyond the real ones have no tokens and
+an empty context, tokens beyond the real ones write nowhere (slot -1). The plain decode
+graph is the same whether or not speculation is configured. Graphs of one set share a
+memory pool and one set of input buffers (ids, positions, batch metadata and, for
+drafters, an input state).
 """
 
 from __future__ import annotations

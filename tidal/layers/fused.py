@@ -521,6 +521,7 @@ def greedy_accept(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Te
     the one after the accepted prefix) and accept_lens [B]. The torch version is a dozen
     kernels."""
     b, w = best.shape
+    assert best.stride(-1) == 1 and (w == 1 or drafts.stride(-1) == 1) and (u is None or u.stride(-1) == 1)
     tokens = torch.empty(b, w, dtype=torch.int64, device=best.device)
     accept = torch.empty(b, dtype=torch.int64, device=best.device)
     if b:
