@@ -210,7 +210,7 @@ def test_top_p_search_keeps_what_sorting_keeps(vocab):
 def test_greedy_accept_commits_what_verify_commits(simulate):
     """`fused.greedy_accept` takes what `verify`'s greedy rows take: drafts equal to the
     target's argmax (or, simulating, drawing under the rate) up to each row's draft length,
-    then the argmax after them; rows of every length 0..K, on row-strided drafts."""
+    then the argmax after them; rows of every length 0..K, on column-major drafts."""
     from tidal.config import SamplingParams
     from tidal.layers.sampler import STREAM_ACCEPT, SamplingTensors, hash_uniform
     from tidal.spec.verify import verify
@@ -219,9 +219,9 @@ def test_greedy_accept_commits_what_verify_commits(simulate):
     B, K, V = 64, 4, 6
     logits = torch.randn(B, K + 1, V)
     best = logits.argmax(-1)
-    wide = torch.zeros(B, K + 2, dtype=torch.int64)
-    wide[:, :K] = torch.where(torch.rand(B, K) < 0.8, best[:, :K], torch.randint(0, V, (B, K)))
-    drafts = wide[:, :K]
+    tall = torch.zeros(K + 2, B, dtype=torch.int64)  # drafts by position, as a drafter keeps them
+    tall[:K] = torch.where(torch.rand(B, K) < 0.8, best[:, :K], torch.randint(0, V, (B, K))).t()
+    drafts = tall[:K].t()
     lens = torch.randint(0, K + 1, (B,))
     st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu")
     counters = torch.arange(B) * 7
