@@ -398,7 +398,7 @@ def main():
     batch, prompt_len, new_tokens = (8, 16, 16) if args.smoke else (256, 128, 128)
     b1_tokens = 32 if args.smoke else 256
     common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
-                  max_model_len=2048, max_num_seqs=batch, num_pages=(batch * (prompt_len + new_tokens + 8)) // 16 + 64)
+                  max_model_len=256 if args.smoke else 2048, max_num_seqs=batch, num_pages=(batch * (prompt_len + new_tokens + 8)) // 16 + 64)
 
     def section(name, fn):
         t = time.perf_counter()

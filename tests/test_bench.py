@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tidal.bench import run_offline_sweep, run_sweep
+from tidal.bench.offline import run_offline_sweep
+from tidal.bench.serve import run_sweep
 from tidal.bench.datasets import random_requests, read_json_array, sharegpt_requests
 from tidal.bench.report import format_report, plot, write_json
 from tidal.bench.workload import build_loads, mode_spec_config, parse_bursty, parse_modes

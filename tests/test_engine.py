@@ -80,7 +80,7 @@ def test_preemption_keeps_outputs_and_frees_pages(checkpoint):
     batch = prompts(6, seed=2)
     roomy = LLM(model=model_dir, page_size=4)
     want = token_ids(roomy.generate(batch, greedy(), use_tqdm=False))
-    tight = LLM(model=model_dir, page_size=4, num_pages=32, enable_prefix_caching=False)
+    tight = LLM(model=model_dir, page_size=4, num_pages=32, max_model_len=120, enable_prefix_caching=False)
     got = token_ids(tight.generate(batch, greedy(), use_tqdm=False))
     assert tight.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert got == want
@@ -182,6 +182,18 @@ def test_bad_inputs_raise_value_errors_naming_the_field(checkpoint):
             call()
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([list(range(3, 70))], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"max_tokens: 40 prompt tokens \+ max_tokens 25 are more than max_model_len 64"):
+        llm.generate([list(range(3, 43))], greedy(max_tokens=25), use_tqdm=False)  # never capped silently
+    with pytest.raises(ValueError, match="max_model_len: 4096 is more than the model's context of"):
+        LLM(model=model_dir, max_model_len=4096)
+    with pytest.raises(ValueError, match="KV cache has 7 pages of 8 tokens, fewer than one request of max_model_len 64"):
+        LLM(model=model_dir, page_size=8, max_model_len=64, num_pages=8)
+    with pytest.raises(ValueError, match="speculative_config: not valid JSON"):
+        LLM(model=model_dir, speculative_config='{"method": "ngram",')
+    assert LLM(model=model_dir, speculative_config='{"method": "ngram", "num_speculative_tokens": 2}') \
+        .engine.config.speculative_config.method == "ngram"  # the JSON text of a config is one too
+    with pytest.raises(ValueError, match="does not exist: tidal reads checkpoints from a local folder"):
+        LLM(model="meta-llama/Llama-3.2-1B")
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1.5)
     with pytest.raises(ValueError, match="dtype"):

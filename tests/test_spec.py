@@ -232,7 +232,7 @@ def test_catch_up_after_off_periods_is_lossless(models, plain):
 
 
 def test_preemption_and_prefix_cache_with_speculation(models, plain):
-    llm = LLM(model=models["target"], page_size=4, num_pages=28,
+    llm = LLM(model=models["target"], page_size=4, num_pages=28, max_model_len=96,
               speculative_config=spec_config(models, "draft_model", 4))
     got, _ = run(llm, repetitive_prompts(), greedy())
     assert llm.engine.scheduler.num_preemptions > 0

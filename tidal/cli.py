@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.metadata
+import logging
 import sys
 import time
 
-from tidal.demo import default_model_dir, default_speculative_config
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="model folder (default: the embedded demo pair, with its EAGLE-3 head)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model or default_model_dir(), device=args.device, dtype=args.dtype,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                speculative_config=speculative_config(args))
-
-
-def speculative_config(args: argparse.Namespace) -> dict | None:
-    """The one given; else, on the embedded demo model, its EAGLE-3 head."""
-    if args.speculative_config is not None or args.model is not None:
-        return args.speculative_config
-    return default_speculative_config()
+from tidal.engine_args import add_engine_args, engine_kwargs, flag_message
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -39,7 +16,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+                            top_k=args.top_k, ignore_eos=args.ignore_eos)
     start = time.monotonic()
     outputs = llm.generate(args.prompts, params)
     elapsed = time.monotonic() - start
@@ -66,8 +43,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from tidal.bench.commands import add_bench_parser
+
     parser = argparse.ArgumentParser(prog="tidal", description="LLM serving with load-adaptive speculative decoding")
+    parser.add_argument("--version", action="version", version=f"tidal {importlib.metadata.version('tidal')}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts given on the command line")
     add_engine_args(gen)
@@ -76,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -86,14 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 endpoints")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.set_defaults(func=cmd_serve)
-    from tidal.bench.commands import add_bench_parser
-
     add_bench_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {flag_message(str(e), args)}", file=sys.stderr)
         return 2
 
 

@@ -3,6 +3,7 @@ that names the field."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -123,22 +124,31 @@ class SpecConfig:
             raise ValueError(f"speculative_config.simulate_acceptance must be in [0, 1], got {a!r}")
 
     @staticmethod
-    def from_dict(d: dict | "SpecConfig" | None) -> "SpecConfig | None":
+    def from_dict(d: dict | str | "SpecConfig" | None) -> "SpecConfig | None":
+        """From a dict of its fields, or that dict as a JSON text (as on the command line)."""
         if d is None or isinstance(d, SpecConfig):
             return d
+        if isinstance(d, str):
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(d).__name__}")
         known = {f.name for f in fields(SpecConfig)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; known keys {sorted(known)}")
         if "method" not in d or "num_speculative_tokens" not in d:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+            raise ValueError("speculative_config: needs 'method' and 'num_speculative_tokens' "
+                             "(for no speculation: None, or `none` on the command line)")
         return SpecConfig(**d)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    device: str = "cpu"
+    device: str = "auto"                  # "auto": cuda when torch sees a GPU, else cpu
     dtype: str = "auto"
     max_model_len: int | None = None      # None = the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -156,18 +166,24 @@ class EngineConfig:
     speculative_config: SpecConfig | None = field(default=None)
 
     def __post_init__(self):
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len!r}")
-        if self.num_pages is not None and self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2, got {self.num_pages!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ValueError(f"num_pages must be an integer >= 2, got {self.num_pages!r}")
+        if not isinstance(self.kv_cache_memory_gb, (int, float)) or not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import random
 import time
 from dataclasses import fields
@@ -25,6 +26,8 @@ from tidal.step import StepPlan
 from tidal.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | Sequence[int]
+
+logger = logging.getLogger(__name__)
 
 
 _frozen = 0  # serving loops under way (`frozen_heap`)
@@ -55,12 +58,21 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's context of {limit} "
+                             "tokens (max_position_embeddings in its config.json)")
+        self.max_model_len = config.max_model_len or limit
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         spec = config.speculative_config
         self.proposer = build_proposer(spec, self.runner, self.model_config) if spec else None
         self.runner.allocate_cache(self.proposer.bytes_per_page if self.proposer else 0)
+        capacity = self.runner.num_pages - 1  # page 0 is never handed out
+        if pages_for(self.max_model_len + (spec.num_speculative_tokens if spec else 0), config.page_size) > capacity:
+            raise ValueError(
+                f"the KV cache has {capacity} pages of {config.page_size} tokens, fewer than one request of "
+                f"max_model_len {self.max_model_len} needs; give it more memory (--gpu-memory-utilization on cuda, "
+                "--kv-cache-memory-gb on cpu, or --num-pages) or lower --max-model-len")
         if self.proposer:
             self.proposer.allocate_cache()
         self.runner.warmup()
@@ -86,6 +98,20 @@ class LLMEngine:
         self.num_steps = 0
         self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
         self.num_generated_tokens = 0
+        logger.info(self.describe())
+
+    def describe(self) -> str:
+        """What was loaded, in one line (logged at start-up)."""
+        c, spec = self.config, self.config.speculative_config
+        speculation = "none" if spec is None else (
+            f"{spec.method}{f' ({spec.model})' if spec.model else ''}, K <= {spec.num_speculative_tokens}, "
+            f"policy {spec.policy}" + (f", SIMULATED acceptance {spec.simulate_acceptance}"
+                                       if spec.simulate_acceptance is not None else ""))
+        return (f"model {c.model} ({self.model_config.architecture}, {str(self.runner.dtype).removeprefix('torch.')}, "
+                f"{self.runner.device}, {'eager' if self.runner.graphs is None else 'CUDA graphs'}); "
+                f"KV cache {self.pool.capacity} pages of {c.page_size} tokens; max_model_len {self.max_model_len}; "
+                f"max_num_seqs {c.max_num_seqs}; max_num_batched_tokens {c.max_num_batched_tokens}; "
+                f"speculation: {speculation}")
 
     # -- requests ------------------------------------------------------------------------
 
@@ -109,10 +135,9 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
                              "(the prompt and at least one generated token must fit)")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if pages_for(longest + self.scheduler.max_draft_len, self.pool.page_size) > self.pool.capacity:
-            raise ValueError(f"prompt: {longest} tokens of prompt and output do not fit in the KV cache "
-                             f"({self.pool.capacity} pages of {self.pool.page_size})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} are more than "
+                             f"max_model_len {self.max_model_len}")
         request_id = request_id if request_id is not None else str(next(self.ids))
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")

@@ -1,6 +1,2 @@
-"""Benchmarks that compare speculation modes side by side: `tidal bench serve | offline`."""
-
-from tidal.bench.offline import run_offline_sweep
-from tidal.bench.serve import run_sweep
-
-__all__ = ["run_sweep", "run_offline_sweep"]
+"""Benchmarks that compare speculation modes side by side: `tidal bench serve` (over HTTP,
+`serve.run_sweep`) and `tidal bench offline` (in-process, `offline.run_offline_sweep`)."""

@@ -6,13 +6,12 @@ import argparse
 import sys
 
 from tidal.bench.workload import DEFAULT_CONCURRENCY
+from tidal.engine_args import add_engine_args, engine_flags, engine_kwargs
 
 DEFAULT_MODES = "off,fixed:2,goodput"
 
 
 def add_bench_parser(sub) -> None:
-    from tidal.cli import add_engine_args
-
     bench = sub.add_parser("bench", help="benchmark speculation modes side by side")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     serve = kinds.add_parser("serve", help="over HTTP: start a server per mode, or drive one with --base-url",
@@ -50,7 +49,6 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bursty-cycles", type=int, default=2, help="how often the --bursty phases repeat")
     p.add_argument("--num-warmups", type=int, default=1, help="warm-up requests per mode, not measured")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="seeds the dataset sampling and Poisson arrivals")
     p.add_argument("--output-json", default=None, help="write the report here")
     p.add_argument("--output-png", default=None, help="plot throughput, TPOT and chosen K against the load here")
 
@@ -103,17 +101,13 @@ def finish(args: argparse.Namespace, report: dict) -> int:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tidal.bench.serve import run_sweep
-    from tidal.cli import speculative_config
-    from tidal.demo import default_model_dir
 
     modes, loads, requests, dataset = prepare(args)
-    model = args.model or default_model_dir()
-    server_args = ["--device", args.device, "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs)]
-    if args.max_model_len is not None:
-        server_args += ["--max-model-len", str(args.max_model_len)]
+    engine_args = engine_kwargs(args)
+    model, spec_config = engine_args.pop("model"), engine_args.pop("speculative_config")
     try:
-        report = run_sweep(modes, loads, requests, model=model, spec_config=speculative_config(args),
-                           server_args=server_args, base_url=args.base_url, seed=args.seed,
+        report = run_sweep(modes, loads, requests, model=model, spec_config=spec_config,
+                           server_args=engine_flags(engine_args), base_url=args.base_url, seed=args.seed,
                            temperature=args.temperature, num_warmups=args.num_warmups,
                            server_timeout=args.server_timeout, dataset=dataset)
     except RuntimeError as e:  # a server that did not start, or a warm-up request it refused
@@ -124,7 +118,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench_offline(args: argparse.Namespace) -> int:
     from tidal.bench.offline import run_offline_sweep
-    from tidal.cli import engine_kwargs
 
     modes, loads, requests, dataset = prepare(args)
     engine_args = engine_kwargs(args)

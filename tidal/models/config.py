@@ -35,9 +35,14 @@ class ModelConfig:
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"model folder {str(model_dir)!r} does not exist: tidal reads checkpoints from a local "
+                             "folder in the Hugging Face layout (config.json, *.safetensors, the tokenizer's files); "
+                             "download one first, e.g. `huggingface-cli download ID --local-dir DIR`, and pass DIR")
         path = model_dir / "config.json"
         if not path.is_file():
-            raise ValueError(f"{model_dir} has no config.json")
+            raise ValueError(f"model folder {str(model_dir)!r} has no config.json (a folder in the Hugging Face "
+                             "layout is expected)")
         raw = json.loads(path.read_text())
         generation_path = model_dir / "generation_config.json"
         generation = json.loads(generation_path.read_text()) if generation_path.is_file() else {}

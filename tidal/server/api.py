@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from tidal.cli import engine_kwargs
+from tidal.engine_args import engine_kwargs
 from tidal.config import EngineConfig, SamplingParams
 from tidal.demo import DEMO_NAME
 from tidal.engine import LLMEngine
@@ -221,9 +221,6 @@ class OpenAIServing:
                     seed=None if body.seed is None else body.seed + i, logprobs=logprobs, **body.sampling_kwargs())
                 requests.append(self.engine.engine.make_request(prompt, params, f"{response_id}-{len(requests)}",
                                                                 stream=bool(body.stream)))
-                if len(prompt) + params.max_tokens > self.max_model_len:
-                    raise ValueError(f"max_tokens: {len(prompt)} prompt tokens + max_tokens {params.max_tokens} "
-                                     f"exceed the model's context of {self.max_model_len} tokens")
         except ValueError as e:
             field = re.match(r"\w+", str(e))
             raise APIError(400, str(e), param=field[0] if field and field[0] in type(body).model_fields else None)
