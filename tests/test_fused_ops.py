@@ -211,6 +211,8 @@ def test_greedy_accept_commits_what_verify_commits(simulate):
     """`fused.greedy_accept` takes what `verify`'s greedy rows take: drafts equal to the
     target's argmax (or, simulating, drawing under the rate) up to each row's draft length,
     then the argmax after them; rows of every length 0..K, on column-major drafts."""
+    from dataclasses import replace
+
     from tidal.config import SamplingParams
     from tidal.layers.sampler import STREAM_ACCEPT, SamplingTensors, hash_uniform
     from tidal.spec.verify import verify
@@ -225,10 +227,12 @@ def test_greedy_accept_commits_what_verify_commits(simulate):
     lens = torch.randint(0, K + 1, (B,))
     st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu")
     counters = torch.arange(B) * 7
-    want_tokens, want_accept = verify(logits, drafts, None, lens, st, counters, simulate)
+    if simulate is not None:
+        st = replace(st, simulated=torch.full((B, K), simulate))
+    want_tokens, want_accept = verify(logits, drafts, None, lens, st, counters)
     u = None if simulate is None else hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + torch.arange(K),
-                                                   STREAM_ACCEPT)
-    tokens, accept = fused.greedy_accept(best, drafts, lens, u, simulate or 0.0)
+                                                   STREAM_ACCEPT) / simulate
+    tokens, accept = fused.greedy_accept(best, drafts, lens, u)
     assert accept.tolist() == want_accept.tolist()
     assert len(set(accept.tolist())) >= 4  # short and long prefixes both occur
     assert [t[:n] for t, n in zip(tokens.tolist(), accept)] == [t[:n] for t, n in zip(want_tokens.tolist(), accept)]

@@ -5,6 +5,7 @@ KV pages all free afterwards."""
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -168,9 +169,9 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
                   speculative_config=spec_config(models, method, 3))
         launch, behind_drafts = llm.engine.runner.launch, []
 
-        def recording(plan, drafts=None, simulate_acceptance=None, ahead=None):
+        def recording(plan, drafts=None, ahead=None):
             behind_drafts.append(ahead is not None and ahead.rejected is not None)
-            return launch(plan, drafts, simulate_acceptance, ahead)
+            return launch(plan, drafts, ahead)
 
         llm.engine.runner.launch = recording
         outputs[overlap] = run(llm, prompts[:3], params)[0]
@@ -291,9 +292,8 @@ def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monk
     assert homogeneity_pvalue(target, drafted) > ALPHA, (target, drafted)
 
     # Control: a verifier that accepts every draft samples the drafter's distribution.
-    def accept_all(*args, **kwargs):
-        kwargs["simulate_acceptance"] = 1.0
-        return real_verify(*args, **kwargs)
+    def accept_all(logits, tokens, probs, ks, st, counters):
+        return real_verify(logits, tokens, probs, ks, replace(st, simulated=torch.ones(tokens.shape)), counters)
 
     monkeypatch.setattr(tidal.runner, "verify", accept_all)
     wrong = continuation_counts(spec)

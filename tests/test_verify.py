@@ -1,8 +1,10 @@
+import math
+
 import pytest
 import torch
 
 import tidal.spec.verify as verify_module
-from tidal.config import SamplingParams
+from tidal.config import SamplingParams, SimulatedAcceptance
 from tidal.layers.sampler import SamplingTensors, processed_probs, sample
 from tidal.spec.verify import verify
 from stats import chi_square_pvalue
@@ -81,8 +83,9 @@ def test_accept_lens_stay_in_range():
     q = torch.softmax(torch.randn(B, W - 1, V), -1)
     st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu")
     for draft_probs in (None, q):
-        for sim in (None, 0.7):
-            _, accept = verify(logits, drafts, draft_probs, lens, st, torch.zeros(B, dtype=torch.int64), sim)
+        for sim in (None, [[0.7] * (W - 1)] * B):
+            st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu", sim)
+            _, accept = verify(logits, drafts, draft_probs, lens, st, torch.zeros(B, dtype=torch.int64))
             assert ((accept >= 1) & (accept <= lens + 1)).all()
 
 
@@ -124,8 +127,8 @@ def spec_step(prev, seeds, counters, params, K=2, stochastic_draft=True, simulat
     logits = torch.log(T[torch.stack(inputs, 1)])  # [n, K + 1, V]
     drafts = torch.stack(inputs[1:], 1)
     draft_probs = torch.stack(q, 1) if stochastic_draft else None
-    st = SamplingTensors.build(params, seeds, "cpu")
-    return verify(logits, drafts, draft_probs, torch.full((n,), K), st, counters, simulate)
+    st = SamplingTensors.build(params, seeds, "cpu", None if simulate is None else [[simulate] * K] * n)
+    return verify(logits, drafts, draft_probs, torch.full((n,), K), st, counters)
 
 
 def first_two_tokens(params=None, **kwargs):
@@ -183,22 +186,38 @@ def test_lossless_under_temperature_and_filters():
 
 
 def test_simulated_acceptance_length_and_tokens():
-    K, rate = 4, 0.6
+    K, rates = 4, [0.9, 0.75, 0.6, 0.45]  # decaying with depth, each conditional on the one before
     B = N
     logits = torch.randn(1, K + 1, 50).expand(B, K + 1, 50)
     drafts = torch.randint(0, 50, (B, K))
-    st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu")
-    tokens, accept = verify(logits, drafts, None, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64), rate)
+    st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu", [rates] * B)
+    tokens, accept = verify(logits, drafts, None, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64))
     accepted = (accept - 1).double()
-    expected = sum(rate ** j for j in range(1, K + 1))
+    expected = sum(math.prod(rates[:j]) for j in range(1, K + 1))
     assert abs(accepted.mean().item() - expected) < 4 * accepted.std().item() / B ** 0.5
     for i in range(100):
         a = accept[i].item()
         assert tokens[i, :a - 1].tolist() == drafts[i, :a - 1].tolist()
         assert tokens[i, a - 1].item() == logits[i, a - 1].argmax().item()
-    # the rate also holds for sampling rows and ragged draft lengths
+    # the rates also hold for sampling rows and ragged draft lengths
     lens = torch.randint(0, K + 1, (B,))
-    st = SamplingTensors.build([SamplingParams()] * B, list(range(B)), "cpu")
-    _, accept = verify(logits, drafts, None, lens, st, torch.zeros(B, dtype=torch.int64), rate)
-    expected = sum(sum(rate ** j for j in range(1, k + 1)) for k in range(K + 1)) / (K + 1)
+    st = SamplingTensors.build([SamplingParams()] * B, list(range(B)), "cpu", [rates] * B)
+    _, accept = verify(logits, drafts, None, lens, st, torch.zeros(B, dtype=torch.int64))
+    expected = sum(sum(math.prod(rates[:j]) for j in range(1, k + 1)) for k in range(K + 1)) / (K + 1)
     assert abs((accept - 1).double().mean().item() - expected) < 0.03
+
+
+def test_simulated_acceptance_per_request_spread():
+    """{"mean": ..., "std": ...}: each request draws its own rate (a Beta of that mean and
+    spread, the same for the same seed), later positions keeping their ratio to the first."""
+    sim = SimulatedAcceptance.parse({"mean": [0.6, 0.3], "std": 0.25})
+    drawn = [sim.rates(seed, 3) for seed in range(4000)]
+    firsts = torch.tensor([r[0] for r in drawn], dtype=torch.float64)
+    assert abs(firsts.mean().item() - 0.6) < 0.02 and abs(firsts.std().item() - 0.25) < 0.02
+    assert (firsts > 0.9).any() and (firsts < 0.2).any()
+    assert all(r[1] == r[2] == pytest.approx(r[0] / 2) for r in drawn)  # the last rate repeats
+    assert sim.rates(7, 3) == sim.rates(7, 3)
+    assert SimulatedAcceptance.parse(0.7).rates(1, 2) == [0.7, 0.7]
+    for bad in ({"mean": 0.5, "std": 0.6}, [1.2], {"men": 0.5}, []):
+        with pytest.raises(ValueError, match="simulate_acceptance"):
+            SimulatedAcceptance.parse(bad)

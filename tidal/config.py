@@ -4,6 +4,7 @@ that names the field."""
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -81,6 +82,53 @@ def parse_table(table, max_k: int) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True)
+class SimulatedAcceptance:
+    """Benchmarks only: a draft at position m is accepted with probability rate[m] whatever
+    its value, so that speed can be measured with random weights (outputs are then not the
+    target's). `mean` gives the rate per draft position (its last entry repeats); with `std`
+    > 0 each request draws its own rate at position 1 from a Beta distribution of that mean
+    and standard deviation (from its seed: the same request draws the same), and its later
+    positions keep their ratio to position 1. Given as a number, a list per position, or
+    {"mean": number or list, "std": s}."""
+
+    mean: tuple[float, ...]
+    std: float = 0.0
+
+    @staticmethod
+    def parse(value) -> "SimulatedAcceptance | None":
+        if value is None or isinstance(value, SimulatedAcceptance):
+            return value
+        field = "speculative_config.simulate_acceptance"
+        spec = value if isinstance(value, dict) else {"mean": value}
+        if set(spec) - {"mean", "std"} or "mean" not in spec:
+            raise ValueError(f"{field}: want a number, a list per draft position or {{'mean': ..., 'std': ...}}, "
+                             f"got {value!r}")
+        mean = spec["mean"] if isinstance(spec["mean"], (list, tuple)) else [spec["mean"]]
+        std = spec.get("std", 0.0)
+        if not mean or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in mean):
+            raise ValueError(f"{field}: acceptance rates must be numbers in [0, 1], got {spec['mean']!r}")
+        first = mean[0]
+        if not isinstance(std, (int, float)) or std < 0 or (std > 0 and not std ** 2 < first * (1 - first)):
+            raise ValueError(f"{field}.std must be >= 0 and, with a mean of {first} at position 1, below "
+                             f"{(first * (1 - first)) ** 0.5:.3f} (a Beta distribution's largest), got {std!r}")
+        return SimulatedAcceptance(tuple(float(a) for a in mean), float(std))
+
+    def rates(self, seed: int, k: int) -> list[float]:
+        """A request's acceptance rate per draft position 1 .. k."""
+        mean = [self.mean[min(m, len(self.mean) - 1)] for m in range(k)]
+        if self.std == 0:
+            return mean
+        first = mean[0]
+        strength = first * (1 - first) / self.std ** 2 - 1  # alpha + beta
+        drawn = random.Random(seed).betavariate(first * strength, (1 - first) * strength)
+        return [min(1.0, a * drawn / first) for a in mean]
+
+    def describe(self) -> str:
+        rates = "/".join(f"{a:g}" for a in self.mean)
+        return rates + (f" (per request: Beta, std {self.std:g})" if self.std else "")
+
+
+@dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, with vLLM's key names. `policy` decides each request's draft
     length per step; `num_speculative_tokens` is the most it may choose."""
@@ -95,7 +143,7 @@ class SpecConfig:
     decision_log: str | None = None      # policy "goodput": append one JSON line per step here (debugging)
     prompt_lookup_min: int = 2           # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
-    simulate_acceptance: float | None = None  # benchmark only: accept each draft with this probability
+    simulate_acceptance: SimulatedAcceptance | None = None  # benchmarks only (SimulatedAcceptance)
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -119,9 +167,7 @@ class SpecConfig:
             raise ValueError(f"speculative_config.profile_seconds must be > 0, got {self.profile_seconds!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        a = self.simulate_acceptance
-        if a is not None and not 0 <= a <= 1:
-            raise ValueError(f"speculative_config.simulate_acceptance must be in [0, 1], got {a!r}")
+        object.__setattr__(self, "simulate_acceptance", SimulatedAcceptance.parse(self.simulate_acceptance))
 
     @staticmethod
     def from_dict(d: dict | str | "SpecConfig" | None) -> "SpecConfig | None":

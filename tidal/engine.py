@@ -105,7 +105,7 @@ class LLMEngine:
         c, spec = self.config, self.config.speculative_config
         speculation = "none" if spec is None else (
             f"{spec.method}{f' ({spec.model})' if spec.model else ''}, K <= {spec.num_speculative_tokens}, "
-            f"policy {spec.policy}" + (f", SIMULATED acceptance {spec.simulate_acceptance}"
+            f"policy {spec.policy}" + (f", SIMULATED acceptance {spec.simulate_acceptance.describe()}"
                                        if spec.simulate_acceptance is not None else ""))
         return (f"model {c.model} ({self.model_config.architecture}, {str(self.runner.dtype).removeprefix('torch.')}, "
                 f"{self.runner.device}, {'eager' if self.runner.graphs is None else 'CUDA graphs'}); "
@@ -142,7 +142,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
-        return Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
+        req = Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
+        spec = self.config.speculative_config
+        if spec is not None and spec.simulate_acceptance is not None:
+            req.simulated_acceptance = spec.simulate_acceptance.rates(seed, spec.num_speculative_tokens)
+        return req
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -231,8 +235,7 @@ class LLMEngine:
         if rows:
             drafts = self.proposer.propose(plan, rows, ahead)
             plan.draft_lens = drafts.lens
-        spec = self.config.speculative_config
-        step = self.runner.launch(plan, drafts, spec.simulate_acceptance if spec else None, ahead)
+        step = self.runner.launch(plan, drafts, ahead)
         step.started = started
         return step
 

@@ -100,6 +100,7 @@ class Request:
         self.stop_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_ids.update(params.stop_token_ids)
         self.spec = SpecStats()
+        self.simulated_acceptance: list[float] | None = None  # benchmarks only: rate per draft position
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()

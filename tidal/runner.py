@@ -62,7 +62,8 @@ class ModelRunner:
             if len(last) == len(reqs) and all(a is b for a, b in zip(last, reqs)):
                 self._sampling.insert(0, self._sampling.pop(i))
                 return st
-        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device)
+        simulated = [r.simulated_acceptance for r in reqs] if reqs[0].simulated_acceptance is not None else None
+        st = SamplingTensors.build([r.params for r in reqs], [r.seed for r in reqs], self.device, simulated)
         self._sampling = [(list(reqs), st)] + self._sampling[:1]
         return st
 
@@ -131,8 +132,7 @@ class ModelRunner:
         return max(2, int(budget // per_page))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, drafts: Drafts | None = None, simulate_acceptance: float | None = None,
-               ahead: Ahead | None = None) -> PendingStep:
+    def launch(self, plan: StepPlan, drafts: Drafts | None = None, ahead: Ahead | None = None) -> PendingStep:
         """Queue one step on the device; its `result()` waits for it. `drafts` holds what the
         proposer drafted for the rows with K_i > 0, still on the device. With `ahead`, the
         plan was made while the step before was still in flight (`Ahead`): each row feeds
@@ -212,8 +212,7 @@ class ModelRunner:
                 probs = None if drafts.probs is None else drafts.probs[:, :width - 1]
                 if len(subset):
                     tokens, probs = tokens[subset], None if probs is None else probs[subset]
-                step.tokens, step.accepted = verify(logits, tokens, probs, ks, st, counters,
-                                                    simulate_acceptance=simulate_acceptance)
+                step.tokens, step.accepted = verify(logits, tokens, probs, ks, st, counters)
                 step.rejected = ks + 1 - step.accepted
                 out = torch.cat([step.tokens, step.accepted[:, None]], dim=1)
             wanted = [r.params.logprobs for r in sampled]

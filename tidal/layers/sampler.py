@@ -98,10 +98,14 @@ class SamplingTensors:
     need_top_p: bool
     need_min_p: bool
     max_top_k: int             # largest active top_k (0 if none), for torch.topk without a sync
+    simulated: torch.Tensor | None = None  # [N, K] float32, benchmarks only: each draft position's
+                                           # chance of acceptance whatever its value (SimulatedAcceptance)
 
     @staticmethod
-    def build(params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str) -> "SamplingTensors":
-        """`seeds[i]` is request i's seed (its own `params.seed`, or one the engine drew)."""
+    def build(params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str,
+              simulated: Sequence[Sequence[float]] | None = None) -> "SamplingTensors":
+        """`seeds[i]` is request i's seed (its own `params.seed`, or one the engine drew);
+        `simulated[i]`, if given, its simulated acceptance rate per draft position."""
         if len(params) != len(seeds):
             raise ValueError(f"got {len(params)} sampling params but {len(seeds)} seeds")
         top_ks = [p.top_k if p.top_k > 0 and p.temperature > 0 else 0 for p in params]
@@ -118,6 +122,8 @@ class SamplingTensors:
             need_top_p=any(p.top_p < 1 for p in sampling),
             need_min_p=any(p.min_p > 0 for p in sampling),
             max_top_k=max(top_ks, default=0),
+            simulated=None if simulated is None else
+            to_device([a for rates in simulated for a in rates], torch.float32, device).view(len(params), -1),
         )
 
     def repeat_rows(self, counts: int | Sequence[int]) -> "SamplingTensors":
@@ -125,7 +131,7 @@ class SamplingTensors:
         all, or one count per request from the host). No device sync either way."""
         if isinstance(counts, int):
             def expand(t):
-                return t.unsqueeze(1).expand(-1, counts).reshape(-1)
+                return t.unsqueeze(1).expand(-1, counts, *t.shape[1:]).reshape(-1, *t.shape[1:])
         else:
             if len(counts) != self.seeds.shape[0]:
                 raise ValueError(f"got {len(counts)} counts for {self.seeds.shape[0]} rows")

@@ -23,7 +23,6 @@ def verify(
     draft_lens: torch.Tensor,          # [B] int64, K_i in [0, W - 1]
     st: SamplingTensors,               # one row per request
     counters: torch.Tensor,            # [B] int64, output index of the token after the last committed one
-    simulate_acceptance: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decide which drafts to commit. Returns token_ids [B, W] int64 and accept_lens [B]
     int64: commit token_ids[i, :accept_lens[i]], 1 <= accept_lens[i] <= 1 + K_i (entries
@@ -39,9 +38,9 @@ def verify(
     output distribution exactly the target's. Position j uses counter counters[i] + j, so
     with K_i = 0 this is the same draw as `sample`.
 
-    simulate_acceptance (benchmarks only): accept each draft with this probability,
-    whatever its value, and commit the drafts themselves; the output is then not the
-    target's.
+    With `st.simulated` (benchmarks only), draft j of row i is accepted with probability
+    st.simulated[i, j], whatever its value, and the drafts themselves are committed; the
+    output is then not the target's.
     """
     B, W, V = target_logits.shape
     K = W - 1
@@ -49,20 +48,21 @@ def verify(
     seeds = st.seeds.unsqueeze(1)
 
     greedy_only = st.all_greedy
+    simulated = None if st.simulated is None else st.simulated[:, :K]
     if greedy_only:
         target_argmax = greedy_tokens(target_logits)  # [B, W]
         if target_logits.is_cuda:
             from tidal.layers import fused  # the rest in one kernel
 
-            u = None if simulate_acceptance is None else hash_uniform(
-                seeds, counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT)
-            return fused.greedy_accept(target_argmax, draft_tokens, draft_lens, u, simulate_acceptance or 0.0)
+            u = None if simulated is None else hash_uniform(
+                seeds, counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT) / simulated
+            return fused.greedy_accept(target_argmax, draft_tokens, draft_lens, u)
     else:
         p = processed_probs(target_logits.reshape(B * W, V), st.repeat_rows(W)).view(B, W, V)
 
-    if simulate_acceptance is not None:
+    if simulated is not None:
         u = hash_uniform(seeds, counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT)
-        accept = u < simulate_acceptance
+        accept = u < simulated
     elif greedy_only:
         accept = draft_tokens == target_argmax[:, :K]
     else:
@@ -79,7 +79,7 @@ def verify(
         next_token = target_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     else:
         weights = p.gather(1, num_accepted.view(B, 1, 1).expand(B, 1, V)).squeeze(1)  # p at the stop position
-        if simulate_acceptance is None and K > 0:
+        if simulated is None and K > 0:
             weights = _residual(weights, num_accepted, draft_tokens, draft_probs, draft_lens)
         next_token = sample_from_probs(weights, st.seeds, counters + num_accepted, STREAM_SAMPLE)
 
