@@ -232,6 +232,34 @@ def test_catch_up_after_off_periods_is_lossless(models, plain):
         assert got == plain
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_a_catch_up_larger_than_a_forward_is_split_and_drafts_the_same(models, plain, method):
+    """A drafter that missed more than a forward may take (a whole prompt, K = 0 spells)
+    absorbs it in forwards of at most `absorb_tokens`, and drafts what one forward drafts."""
+    drafts, sizes = {}, {}
+    for absorb in (1 << 20, 8):
+        llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 3))
+        proposer = llm.engine.proposer
+        proposer.absorb_tokens = absorb
+        forward, propose = proposer.forward, proposer.propose
+        sizes[absorb], drafts[absorb] = [], []
+
+        def recording_forward(batch, state, sizes=sizes[absorb], forward=forward):
+            sizes.append(batch.num_tokens)
+            return forward(batch, state)
+
+        def recording_propose(plan, rows, ahead=None, drafts=drafts[absorb], propose=propose):
+            out = propose(plan, rows, ahead)
+            drafts.append([out.tokens[i, :k].tolist() for i, k in enumerate(out.lens)])
+            return out
+
+        proposer.forward, proposer.propose = recording_forward, recording_propose
+        got, _ = run(llm, repetitive_prompts(), greedy())
+        assert got == plain
+    assert drafts[8] == drafts[1 << 20]
+    assert max(sizes[1 << 20]) > 20 and max(sizes[8]) <= 4 * (3 + 2)  # 8 absorbed, or the last K + 2 of 4 rows
+
+
 def test_preemption_and_prefix_cache_with_speculation(models, plain):
     llm = LLM(model=models["target"], page_size=4, num_pages=28, max_model_len=96,
               speculative_config=spec_config(models, "draft_model", 4))

@@ -33,8 +33,11 @@ class DraftModelProposer(ChainDrafter):
     def allocate_cache(self) -> None:
         self.kv_caches = self.runner.allocate_kv(self.config, self.runner.num_pages)
 
-    def catch_up(self, reqs, starts, pending):
-        return [r.token_ids[s:] + [0] * n for r, s, n in zip(reqs, starts, pending)], None
+    def catch_up(self, reqs, starts, ends):
+        return [r.token_ids[s:e] + [0] * max(e - r.num_tokens, 0) for r, s, e in zip(reqs, starts, ends)], None
+
+    def catch_up_end(self, req, pending):
+        return req.num_tokens + pending
 
     def next_position(self, req, j, pending):
         return req.num_tokens + pending + j - 1

@@ -36,14 +36,16 @@ class Eagle3Proposer(ChainDrafter):
     def allocate_cache(self) -> None:
         self.kv_cache, = self.runner.allocate_kv(self.config.model, self.runner.num_pages)
 
-    def catch_up(self, reqs, starts, pending):
-        # Positions start .. n - 2 take token p + 1 and the target's state at p (n counting
-        # the pending tokens).
+    def catch_up(self, reqs, starts, ends):
+        # Position p takes token p + 1 and the target's state at p.
         ps = self.runner.page_size
-        slots = [r.pages[p // ps] * ps + p % ps for r, s, n in zip(reqs, starts, pending)
-                 for p in range(s, r.num_tokens + n - 1)]
+        slots = [r.pages[p // ps] * ps + p % ps for r, s, e in zip(reqs, starts, ends) for p in range(s, e)]
         state = self.runner.aux_cache[to_device(slots, torch.int64, self.runner.device)]
-        return [r.token_ids[s + 1:] + [0] * n for r, s, n in zip(reqs, starts, pending)], state
+        return [r.token_ids[s + 1:e + 1] + [0] * max(e + 1 - r.num_tokens, 0)
+                for r, s, e in zip(reqs, starts, ends)], state
+
+    def catch_up_end(self, req, pending):
+        return req.num_tokens + pending - 1
 
     def next_position(self, req, j, pending):
         return req.num_tokens + pending + j - 2

@@ -15,6 +15,7 @@ when drafting resumes. The scheduler keeps `num_absorbed <= num_computed` (at co
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import replace
 from typing import Protocol
 
@@ -63,6 +64,7 @@ class ChainDrafter(ABC):
     def __init__(self, runner, vocab_size: int):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
+        self.absorb_tokens = runner.config.max_num_batched_tokens  # most tokens a forward absorbs (`_absorb`)
         max_seqs, k = runner.config.max_num_seqs, runner.config.speculative_config.num_speculative_tokens
         # Per row, the position the draft steps stop before (`ForwardBatch.advance`); and per
         # draft position j, each row's greedy draft in target ids (the catch-up writes
@@ -75,9 +77,15 @@ class ChainDrafter(ABC):
         self.draft_graphs: list[CudaGraphs] = []  # [s - 1]: graphs of s chained draft steps
 
     @abstractmethod
-    def catch_up(self, reqs, starts: list[int], pending: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Tokens to feed from position starts[i] of row i on (its last pending[i] are
-        placeholders for tokens only the device knows yet), and the input state."""
+    def catch_up(self, reqs, starts: list[int], ends: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Tokens to feed at positions starts[i] .. ends[i] - 1 of row i (those past the
+        request's known tokens are placeholders for tokens only the device knows yet), and
+        the input state."""
+
+    @abstractmethod
+    def catch_up_end(self, req, pending: int) -> int:
+        """The position before which req's catch-up stops, with `pending` tokens beyond its
+        state."""
 
     @abstractmethod
     def next_position(self, req, j: int, pending: int) -> int:
@@ -168,7 +176,9 @@ class ChainDrafter(ABC):
         # A commit still to come may have raised num_absorbed past num_computed, which is
         # where the drafter's trusted KV ends.
         starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
-        feeds, state = self.catch_up(reqs, starts, pending)
+        ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
+        starts = self._absorb(reqs, starts, ends)
+        feeds, state = self.catch_up(reqs, starts, ends)
         input_ids = None
         if ahead:
             source = ahead.tokens if len(rows) == len(plan.requests) else ahead.tokens[rows_t]
@@ -199,6 +209,34 @@ class ChainDrafter(ABC):
             tokens = torch.zeros(len(plan.requests), max(ks), dtype=torch.int64, device=device).index_copy_(
                 0, rows_t, tokens)
         return Drafts(tokens, lens, probs)
+
+    def _absorb(self, reqs, starts: list[int], ends: list[int]) -> list[int]:
+        """Absorb all but the last `tail` positions of every row's catch-up in forwards of at
+        most `absorb_tokens` (the step's token budget), so that no forward grows with what the drafter missed
+        (a whole prompt, or many K = 0 steps, for hundreds of rows): a row that does not fit
+        in one forward's room goes on in the next. Returns where each row's catch-up now
+        starts. What is left is at most `tail` tokens a row, all the drafting forward feeds;
+        the placeholders of a step in flight (at most K + 1 a row) are among them."""
+        tail = self.runner.config.speculative_config.num_speculative_tokens + 2
+        todo = deque((i, s, e - tail) for i, (s, e) in enumerate(zip(starts, ends)) if e - s > tail)
+        starts = list(starts)
+        while todo:
+            rows, room = [], self.absorb_tokens
+            while todo and room:
+                i, s, stop = todo.popleft()
+                n = min(stop - s, room)
+                rows.append((i, s, s + n))
+                room -= n
+                if s + n < stop:
+                    todo.appendleft((i, s + n, stop))
+                    break
+            sub = [reqs[i] for i, _, _ in rows]
+            feeds, state = self.catch_up(sub, [s for _, s, _ in rows], [e for _, _, e in rows])
+            self.forward(ForwardBatch.build(feeds, [s for _, s, _ in rows], [r.pages for r in sub],
+                                            self.runner.page_size, self.runner.device), state)
+            for i, _, e in rows:
+                starts[i] = e
+        return starts
 
     def _run(self, graphs, feeds, starts, pages, state, input_ids=None, rejected=None):
         """One catch-up forward (`_catch_up`), replayed from a graph when one fits.
