@@ -1,7 +1,10 @@
 import os
+import tempfile
 
 # Triton kernels run through the interpreter on CPU-only machines; triton reads this at import.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Cost profiles are kept for the session's engines (and servers it starts), not the user's.
+os.environ["TIDAL_CACHE_DIR"] = tempfile.mkdtemp(prefix="tidal-cache-")
 
 import pytest
 

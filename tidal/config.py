@@ -95,10 +95,9 @@ class SimulatedAcceptance:
     std: float = 0.0
 
     @staticmethod
-    def parse(value) -> "SimulatedAcceptance | None":
+    def parse(value, field: str = "speculative_config.simulate_acceptance") -> "SimulatedAcceptance | None":
         if value is None or isinstance(value, SimulatedAcceptance):
             return value
-        field = "speculative_config.simulate_acceptance"
         spec = value if isinstance(value, dict) else {"mean": value}
         if set(spec) - {"mean", "std"} or "mean" not in spec:
             raise ValueError(f"{field}: want a number, a list per draft position or {{'mean': ..., 'std': ...}}, "

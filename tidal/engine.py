@@ -14,9 +14,10 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from tidal.config import EngineConfig, SamplingParams, SpecConfig
+from tidal.config import EngineConfig, SamplingParams, SimulatedAcceptance, SpecConfig
 from tidal.kv_cache import PagePool
 from tidal.models.config import ModelConfig
+from tidal.profiling import cached_costs, cost_key, measure_costs, plan_pages
 from tidal.request import CompletionOutput, Request, RequestOutput, SpecStats
 from tidal.runner import ModelRunner, PendingStep
 from tidal.scheduler import Scheduler, pages_for
@@ -66,15 +67,16 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         spec = config.speculative_config
         self.proposer = build_proposer(spec, self.runner, self.model_config) if spec else None
-        self.runner.allocate_cache(self.proposer.bytes_per_page if self.proposer else 0)
+        self.runner.allocate_cache(config.num_pages or plan_pages(self.runner, self.proposer))
+        if self.proposer:
+            self.proposer.allocate_cache()
         capacity = self.runner.num_pages - 1  # page 0 is never handed out
         if pages_for(self.max_model_len + (spec.num_speculative_tokens if spec else 0), config.page_size) > capacity:
             raise ValueError(
                 f"the KV cache has {capacity} pages of {config.page_size} tokens, fewer than one request of "
                 f"max_model_len {self.max_model_len} needs; give it more memory (--gpu-memory-utilization on cuda, "
                 "--kv-cache-memory-gb on cpu, or --num-pages) or lower --max-model-len")
-        if self.proposer:
-            self.proposer.allocate_cache()
+        self.runner.capture_graphs()
         self.runner.warmup()
         if self.proposer:
             self.proposer.warmup()
@@ -83,10 +85,14 @@ class LLMEngine:
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             max_draft_len=spec.num_speculative_tokens if spec else 0)
         if spec:
+            costs = None
+            if spec.policy == "goodput" and spec.cost_model == "profile":
+                costs = cached_costs(cost_key(self.runner, self.proposer), lambda: measure_costs(
+                    self.runner, self.proposer, config.max_num_seqs, spec.num_speculative_tokens, self.max_model_len,
+                    spec.profile_seconds))
             self.scheduler.policy = make_policy(
-                spec, runner=self.runner, proposer=self.proposer, pool=self.pool,
-                demand=self.scheduler.prefill_demand, max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len)
+                spec, pool=self.pool, demand=self.scheduler.prefill_demand, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens, cost_model=costs)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.seeds = random.Random(config.seed)
@@ -116,11 +122,13 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------
 
     def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                     stream: bool = False) -> Request:
+                     stream: bool = False, simulate_acceptance=None) -> Request:
         """Validate and tokenize; raises ValueError naming the problem, touching no state.
         A streaming request gets an output from every step that commits its tokens; any
         other one only its final output (detokenizing every request every step is the
-        largest host cost of a big batch)."""
+        largest host cost of a big batch). `simulate_acceptance` (benchmarks only, on an
+        engine that simulates acceptance) replaces the engine's for this request, so one
+        server can serve workloads of different acceptance."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -141,11 +149,17 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self.ids))
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
+        spec = self.config.speculative_config
+        simulated = spec.simulate_acceptance if spec else None
+        if simulate_acceptance is not None:
+            if simulated is None:
+                raise ValueError("simulate_acceptance: this engine does not simulate acceptance (benchmarks start it "
+                                 "with speculative_config.simulate_acceptance)")
+            simulated = SimulatedAcceptance.parse(simulate_acceptance, "simulate_acceptance")
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
         req = Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
-        spec = self.config.speculative_config
-        if spec is not None and spec.simulate_acceptance is not None:
-            req.simulated_acceptance = spec.simulate_acceptance.rates(seed, spec.num_speculative_tokens)
+        if simulated is not None:
+            req.simulated_acceptance = simulated.rates(seed, spec.num_speculative_tokens)
         return req
 
     def add_request(self, req: Request) -> None:

@@ -67,27 +67,50 @@ class ModelRunner:
         self._sampling = [(list(reqs), st)] + self._sampling[:1]
         return st
 
-    def allocate_cache(self, extra_bytes_per_page: int = 0) -> None:
-        """Size the page pool from the memory left after loading weights (a drafter's KV per
-        page included), then allocate it."""
-        per_page = self.kv_bytes_per_page(self.model_config) + extra_bytes_per_page
+    def bytes_per_page(self, extra_bytes_per_page: int = 0) -> int:
+        """Cache bytes per page: the target's KV, EAGLE-3's hidden states and a drafter's
+        `extra_bytes_per_page`."""
         aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
-        per_page += aux_width * self.page_size * self.dtype.itemsize
-        self.num_pages = self.config.num_pages or self._pages_that_fit(per_page)
-        self.kv_caches = self.allocate_kv(self.model_config, self.num_pages)
+        return (self.kv_bytes_per_page(self.model_config) + extra_bytes_per_page
+                + aux_width * self.page_size * self.dtype.itemsize)
+
+    def pages_that_fit(self, per_page: int, reserve: int) -> int:
+        """Pages the memory left after the weights holds, keeping `reserve` bytes free for
+        the largest step's activations: on cuda of the share gpu_memory_utilization allows
+        (the rest also holds the CUDA graphs' memory pools), on cpu of kv_cache_memory_gb."""
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total - reserve
+        else:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        return max(2, int(budget // per_page))
+
+    def allocate_cache(self, num_pages: int) -> None:
+        """Allocate the page pool's tensors (a smaller one before, for the start-up
+        measurements, is given back first)."""
+        self.kv_caches, self.aux_cache = [], None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.num_pages = num_pages
+        self.kv_caches = self.allocate_kv(self.model_config, num_pages)
+        aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
         if aux_width:
             self.model.aux_layer_ids = self.aux_layer_ids
-            self.aux_cache = torch.zeros(self.num_pages * self.page_size, aux_width, dtype=self.dtype,
-                                         device=self.device)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            spec = self.config.speculative_config
-            self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch, self.kv_caches),
-                                     self.page_size, self.max_model_len, self.config.max_num_seqs,
-                                     1 + (spec.num_speculative_tokens if spec else 0), self.device)
-            self.graphs.capture()
-            self.pieces = PiecewiseGraphs(self.model, self.attn, self.kv_caches, self.config.max_num_batched_tokens,
-                                          self.page_size, self.device)
-            self.pieces.capture()
+            self.aux_cache = torch.zeros(num_pages * self.page_size, aux_width, dtype=self.dtype, device=self.device)
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs for decode and verification steps, and the piecewise ones for steps
+        with prompt tokens (cuda, unless enforce_eager)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        spec = self.config.speculative_config
+        self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch, self.kv_caches),
+                                 self.page_size, self.max_model_len, self.config.max_num_seqs,
+                                 1 + (spec.num_speculative_tokens if spec else 0), self.device)
+        self.graphs.capture()
+        self.pieces = PiecewiseGraphs(self.model, self.attn, self.kv_caches, self.config.max_num_batched_tokens,
+                                      self.page_size, self.device)
+        self.pieces.capture()
 
     # Shapes (requests, query tokens each, cached context) that reach every Triton kernel
     # variant eager steps use: decode, verification, chunked extend and prefill, with and
@@ -122,14 +145,6 @@ class ModelRunner:
     def allocate_kv(self, mc: ModelConfig, num_pages: int) -> list[torch.Tensor]:
         shape = (2, num_pages, self.page_size, mc.num_kv_heads, mc.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
-
-    def _pages_that_fit(self, per_page: int) -> int:
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-        else:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        return max(2, int(budget // per_page))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, drafts: Drafts | None = None, ahead: Ahead | None = None) -> PendingStep:

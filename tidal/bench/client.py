@@ -17,11 +17,12 @@ from tidal.bench.workload import Load, RequestRecord
 
 
 async def stream_completion(client: httpx.AsyncClient, model: str, req: BenchRequest, phase: int,
-                            temperature: float) -> RequestRecord:
-    """Send one streaming completion of exactly `req.output_len` tokens (ignore_eos) and
-    time each chunk; the token count comes from the stream's usage."""
+                            temperature: float, extra: dict | None = None) -> RequestRecord:
+    """Send one streaming completion of exactly `req.output_len` tokens (ignore_eos), with
+    `extra` fields in its body, and time each chunk; the token count comes from the
+    stream's usage."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": temperature,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     record = RequestRecord(phase, req.prompt_len, req.output_len, start=time.perf_counter())
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -47,16 +48,17 @@ async def stream_completion(client: httpx.AsyncClient, model: str, req: BenchReq
 
 
 async def run_load(base_url: str, model: str, load: Load, requests: list[BenchRequest], *, seed: int,
-                   temperature: float = 0.0, desc: str = "") -> tuple[list[RequestRecord], float, list]:
-    """Drive `load` with `requests` (in order). Returns the records, the run's seconds and
-    the (phase, seconds) of each closed-loop phase."""
+                   temperature: float = 0.0, extra: dict | None = None,
+                   desc: str = "") -> tuple[list[RequestRecord], float, list]:
+    """Drive `load` with `requests` (in order), `extra` fields in every body. Returns the
+    records, the run's seconds and the (phase, seconds) of each closed-loop phase."""
     records, spans = [], []
     bar = tqdm(total=load.total_requests, desc=desc, unit="req", leave=False)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
 
         async def send(req: BenchRequest, phase: int) -> None:
-            records.append(await stream_completion(client, model, req, phase, temperature))
+            records.append(await stream_completion(client, model, req, phase, temperature, extra))
             bar.update(1)
 
         start = time.perf_counter()

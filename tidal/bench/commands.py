@@ -27,6 +27,26 @@ def add_bench_parser(sub) -> None:
     add_engine_args(offline)
     add_sweep_args(offline)
     offline.set_defaults(func=cmd_bench_offline)
+    matrix = kinds.add_parser(
+        "matrix", help="over HTTP: every mode on a matrix of workloads and loads (SIMULATED acceptance)",
+        description="One server per mode serves the workloads W1-W5 (prompt/output tokens, temperature, "
+                    "acceptance): W1 128/128 greedy 0.8; W2 512/192 T=0.7 0.7; W3 2048/256 greedy 0.6; "
+                    "W4 64/512 T=0.7 0.9/0.75/0.6/0.45 by draft position; W5 256/256 T=0.7, each request's "
+                    "rate from a Beta of mean 0.6 and std 0.25. Needs --speculative-config with a drafter.")
+    add_engine_args(matrix)
+    from tidal.bench.matrix import MATRIX_CONCURRENCY, MATRIX_MODES
+
+    matrix.add_argument("--workloads", default="W1,W2,W3,W4,W5")
+    matrix.add_argument("--modes", default=MATRIX_MODES)
+    matrix.add_argument("--concurrency", default=MATRIX_CONCURRENCY)
+    matrix.add_argument("--requests-per-client", type=float, default=2.0,
+                        help="requests per cell: this many per client, at least --min-requests")
+    matrix.add_argument("--min-requests", type=int, default=8)
+    matrix.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per workload and mode")
+    matrix.add_argument("--server-timeout", type=float, default=600.0)
+    matrix.add_argument("--output-json", default=None)
+    matrix.add_argument("--output-png", default=None)
+    matrix.set_defaults(func=cmd_bench_matrix)
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -126,3 +146,35 @@ def cmd_bench_offline(args: argparse.Namespace) -> int:
                                seed=args.seed, temperature=args.temperature, num_warmups=args.num_warmups,
                                dataset=dataset)
     return finish(args, report)
+
+
+def cmd_bench_matrix(args: argparse.Namespace) -> int:
+    from tidal.bench.matrix import cell_loads, format_matrix, parse_workloads, plot_matrix, run_matrix
+    from tidal.bench.report import write_json
+    from tidal.bench.workload import parse_modes, positive_list
+
+    if args.min_requests < 1 or args.requests_per_client <= 0 or args.num_warmups < 0:
+        raise ValueError("--requests-per-client must be > 0, --min-requests >= 1 and --num-warmups >= 0")
+    engine_args = engine_kwargs(args)
+    model, spec_config = engine_args.pop("model"), engine_args.pop("speculative_config")
+    if not spec_config:
+        raise ValueError("--speculative-config: the matrix needs a drafter, e.g. "
+                         '\'{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 4}\'')
+    loads = cell_loads(positive_list("--concurrency", args.concurrency, int), args.requests_per_client,
+                       args.min_requests)
+    try:
+        report = run_matrix(parse_modes(args.modes), parse_workloads(args.workloads), loads, model=model,
+                            spec_config=spec_config, server_args=engine_flags(engine_args),
+                            num_warmups=args.num_warmups, seed=args.seed, server_timeout=args.server_timeout)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(format_matrix(report))
+    if args.output_json:
+        write_json(report, args.output_json)
+    if args.output_png:
+        plot_matrix(report, args.output_png)
+    failed = sum(r["failed"] for r in report["results"])
+    if failed:
+        print(f"\n{failed} requests failed", file=sys.stderr)
+    return 1 if failed else 0

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 
-def _table(header: list[str], rows: list[list[str]], labels: int = 1) -> str:
+def text_table(header: list[str], rows: list[list[str]], labels: int = 1) -> str:
     """Aligned columns: the first `labels` to the left, the numbers after them to the right."""
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
@@ -37,7 +37,7 @@ def format_report(report: dict) -> str:
     if report["simulated_acceptance"] is not None:
         lines.append(f"SIMULATED acceptance: each draft accepted with probability {report['simulated_acceptance']}")
     lines += ["", "output throughput (tokens/s)" + (f", ratio = mode / {baseline}" if baseline else ""),
-              _table(header, rows), "", _table(*detail_table(report), labels=2)]
+              text_table(header, rows), "", text_table(*detail_table(report), labels=2)]
     return "\n".join(lines)
 
 

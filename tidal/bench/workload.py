@@ -90,7 +90,7 @@ def mode_spec_config(mode: str, base: dict | None) -> dict | None:
     return config
 
 
-def _positive_list(option: str, text: str, kind: type) -> list:
+def positive_list(option: str, text: str, kind: type) -> list:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -123,9 +123,9 @@ def build_loads(concurrency: str | None = None, request_rate: str | None = None,
     if concurrency is None and request_rate is None and bursty is None:
         concurrency = ",".join(map(str, DEFAULT_CONCURRENCY))
     loads = []
-    for c in _positive_list("--concurrency", concurrency, int) if concurrency else []:
+    for c in positive_list("--concurrency", concurrency, int) if concurrency else []:
         loads.append(Load(f"c={c}", phases=((c, num_prompts or max(100, 4 * c)),)))
-    for r in _positive_list("--request-rate", request_rate, float) if request_rate else []:
+    for r in positive_list("--request-rate", request_rate, float) if request_rate else []:
         loads.append(Load(f"rate={r:g}/s", rate=r, num_requests=num_prompts or 200))
     if bursty:
         loads.append(Load(f"bursty {bursty}x{bursty_cycles}", phases=parse_bursty(bursty), cycles=bursty_cycles))

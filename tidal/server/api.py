@@ -220,7 +220,8 @@ class OpenAIServing:
                     max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(prompt)),
                     seed=None if body.seed is None else body.seed + i, logprobs=logprobs, **body.sampling_kwargs())
                 requests.append(self.engine.engine.make_request(prompt, params, f"{response_id}-{len(requests)}",
-                                                                stream=bool(body.stream)))
+                                                                stream=bool(body.stream),
+                                                                simulate_acceptance=body.simulate_acceptance))
         except ValueError as e:
             field = re.match(r"\w+", str(e))
             raise APIError(400, str(e), param=field[0] if field and field[0] in type(body).model_fields else None)

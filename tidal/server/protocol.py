@@ -37,6 +37,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # extension (as in vLLM): keep generating past end-of-sequence
+    # Extension, benchmarks only: this request's SIMULATED acceptance (SimulatedAcceptance's
+    # forms), on a server started with speculative_config.simulate_acceptance.
+    simulate_acceptance: float | list[float] | dict | None = None
 
     def sampling_kwargs(self) -> dict:
         """The SamplingParams arguments the client set."""

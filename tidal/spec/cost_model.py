@@ -43,18 +43,11 @@ corrects only the price of catching up (a scale on the profiled one).
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import numpy as np
-import torch
-
-from tidal.config import SamplingParams
-from tidal.request import Request
-from tidal.step import Drafts, StepPlan
 
 PROFILE_WIDTHS = (1, 2, 3, 5, 9, 17)
-GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
 
 
 def bracket(x: float, points: np.ndarray) -> tuple[int, int, float]:
@@ -102,6 +95,13 @@ class CostModel:
         self.level_rate = level_rate  # how fast the level follows the errors: faster, so that a spell
                                       # of slow steps moves every shape and not the one it was seen at
         self.source = source
+
+    def to_dict(self) -> dict:
+        """The measured model as constructor arguments (before online corrections)."""
+        return {"batch_sizes": self.batch_sizes.tolist(), "widths": self.widths.tolist(), "grid": self.grid.tolist(),
+                "padded": self.padded, "context_ref": self.context_ref, "context_cost": self.context_cost,
+                "draft_fixed": self.draft_fixed.tolist(), "draft_step": self.draft_step.tolist(),
+                "catch_up_fixed": self.catch_up_fixed, "catch_up_token": self.catch_up_token, "source": self.source}
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], batch_sizes, widths, **kwargs) -> "CostModel":
@@ -199,86 +199,13 @@ class CostModel:
         return moved
 
 
-# -- start-up profiling ---------------------------------------------------------------------
+# -- the grid a start-up profile measures (`tidal.profiling`) --------------------------------
 
 def grid_axes(max_batch: int, max_draft_len: int) -> tuple[list[int], list[int]]:
     """Batch sizes 1, 2, 4 .. max_batch; widths 1, 2, 3, 5, 9, 17 up to 1 + max_draft_len."""
     batch_sizes = sorted({min(2 ** i, max_batch) for i in range(max_batch.bit_length() + 1)})
     widths = sorted({w for w in PROFILE_WIDTHS if w <= max_draft_len} | {1, max_draft_len + 1})
     return batch_sizes, widths
-
-
-def profile(runner, proposer, max_batch: int, max_draft_len: int, max_model_len: int,
-            seconds: float) -> CostModel:
-    """Time real steps (runner.launch, proposer.propose) on dummy requests, smallest shapes
-    first, until `seconds` are spent; shapes left over are extrapolated in proportion to
-    their tokens (the compute-bound guess, right for shapes that are slow to run).
-
-    Runs before the engine serves anything: the page pool is empty, so the dummy requests
-    may use any page, and what they write is overwritten before it is ever read."""
-    start = time.perf_counter()
-    batch_sizes, widths = grid_axes(max_batch, max_draft_len)
-    ctx = runner.page_size
-
-    def run_target(b, w, context=ctx):
-        plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
-        drafts = None
-        if w > 1:
-            drafts = Drafts(torch.zeros(b, w - 1, dtype=torch.int64, device=runner.device), [w - 1] * b)
-        return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
-
-    def run_proposer(b, k, backlog=1):
-        """The proposer on b rows whose drafter has `backlog` tokens to absorb first."""
-        context = max(ctx, backlog)
-        plan = dummy_plan(b, context, k, runner.num_pages, runner.page_size)
-
-        def propose():
-            for r in plan.requests:
-                r.num_absorbed = context - backlog
-            proposer.propose(plan, list(range(b)))
-        return timed(propose, runner.device)
-
-    # Context cost first (it is cheap, and no grid point can stand in for it): the same
-    # small batch at a short and a long context.
-    b_ctx = min(8, max_batch)
-    ctx_long = min(2048, max_model_len - widths[-1] - 1, (runner.num_pages - 1) // b_ctx * ctx - widths[-1])
-    context_cost = 0.0
-    if ctx_long > 2 * ctx:
-        short, long = run_target(b_ctx, 1), run_target(b_ctx, 1, ctx_long)
-        context_cost = max(0.0, (long - short) / (b_ctx * (ctx_long - ctx)))
-    # Catch-up, for a drafter with a cache of its own (nor can a grid point stand in for it):
-    # the same rows absorbing one token more than a proposal after a verify step, and many.
-    catch_up_fixed = catch_up_token = 0.0
-    usual_backlog, long_backlog = max_draft_len + 1, min(256, ctx_long)
-    if proposer.bytes_per_page and long_backlog > 2 * usual_backlog:
-        usual, past = run_proposer(b_ctx, 1), run_proposer(b_ctx, 1, usual_backlog + 1)
-        many = run_proposer(b_ctx, 1, long_backlog)
-        catch_up_token = max(0.0, (many - past) / (b_ctx * (long_backlog - usual_backlog - 1)))
-        catch_up_fixed = max(0.0, past - usual - catch_up_token * b_ctx)
-    grid = np.full((len(batch_sizes), len(widths)), np.nan)
-    draft_ks = sorted({1, max_draft_len})
-    drafts = np.full((len(batch_sizes), len(draft_ks)), np.nan)
-    jobs = sorted([(b * w, 0, i, j) for i, b in enumerate(batch_sizes) for j, w in enumerate(widths)]
-                  + [(b * k, 1, i, j) for i, b in enumerate(batch_sizes) for j, k in enumerate(draft_ks)])
-    deadline = start + seconds
-    for _, kind, i, j in jobs:
-        if time.perf_counter() > deadline and (i, j) != (0, 0):  # the smallest shapes always run
-            continue
-        if kind == 0:
-            grid[i, j] = run_target(batch_sizes[i], widths[j])
-        else:
-            drafts[i, j] = run_proposer(batch_sizes[i], draft_ks[j])
-    measured = int(np.isfinite(grid).sum() + np.isfinite(drafts).sum())
-    grid = monotone(fill_by_tokens(grid, batch_sizes, widths))
-    drafts = monotone(fill_by_tokens(drafts, batch_sizes, draft_ks))
-    first, last = drafts[:, 0], drafts[:, -1]
-    step = (last - first) / (draft_ks[-1] - 1) if len(draft_ks) > 1 else first
-    step = np.maximum(step, 0.0)
-    fixed = np.maximum(first - step, 0.0)
-    return CostModel(batch_sizes, widths, grid, padded=getattr(runner, "graphs", None) is not None,
-                     context_ref=ctx, context_cost=context_cost, draft_fixed=fixed, draft_step=step,
-                     catch_up_fixed=catch_up_fixed, catch_up_token=catch_up_token,
-                     source=f"profile: {measured} shapes in {time.perf_counter() - start:.2f} s")
 
 
 def fill_by_tokens(table: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
@@ -297,32 +224,3 @@ def monotone(table: np.ndarray) -> np.ndarray:
     """No shape costs more than a larger one: timing noise only ever adds time."""
     table = np.minimum.accumulate(table[::-1], axis=0)[::-1]
     return np.minimum.accumulate(table[:, ::-1], axis=1)[:, ::-1]
-
-
-def dummy_plan(batch: int, context: int, k: int, num_pages: int, page_size: int) -> StepPlan:
-    """`batch` requests of `context` computed tokens, each decoding one token plus k drafts."""
-    pages = -(-(context + 1 + k) // page_size)
-    reqs = []
-    for i in range(batch):
-        req = Request(f"profile-{i}", None, [0] * (context + 1), GREEDY, 0, ())
-        req.num_computed = context
-        req.pages = [1 + (i * pages + p) % (num_pages - 1) for p in range(pages)]
-        reqs.append(req)
-    return StepPlan(reqs, [1] * batch, [k] * batch)
-
-
-def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """Fastest of `repeats` runs after a warm-up: interference only ever adds time."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return min(times)

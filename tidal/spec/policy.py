@@ -18,7 +18,7 @@ import numpy as np
 from tidal.config import SpecConfig
 from tidal.request import Request
 from tidal.spec.acceptance import AcceptanceModel
-from tidal.spec.cost_model import CostModel, grid_axes, profile
+from tidal.spec.cost_model import CostModel, grid_axes
 from tidal.step import StepPlan, StepResult
 
 
@@ -388,11 +388,10 @@ class Goodput:
 
 
 
-def make_policy(spec: SpecConfig, *, runner=None, proposer=None, pool=None, demand=None,
-                max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 0,
-                cost_model: CostModel | None = None) -> SpecPolicy:
-    """The policy `spec` names. Goodput measures its cost model on `runner` and `proposer`
-    at start-up unless one is given or `spec.cost_model` is "online"."""
+def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int = 256,
+                max_num_batched_tokens: int = 2048, cost_model: CostModel | None = None) -> SpecPolicy:
+    """The policy `spec` names. Goodput prices steps with `cost_model` (measured at start-up,
+    `tidal.profiling`), or learns the prices from the steps alone when none is given."""
     k = spec.num_speculative_tokens
     if spec.policy == "off":
         return Off()
@@ -400,9 +399,6 @@ def make_policy(spec: SpecConfig, *, runner=None, proposer=None, pool=None, dema
         return Fixed(k)
     if spec.policy == "table":
         return Table(spec.table)
-    if cost_model is None and spec.cost_model == "profile":
-        cost_model = profile(runner, proposer, max_num_seqs, k, max_model_len, spec.profile_seconds)
-    elif cost_model is None:
-        cost_model = CostModel(*grid_axes(max_num_seqs, k), source="online")
+    cost_model = cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online")
     return Goodput(cost_model, k, token_budget=max_num_batched_tokens, pool=pool, demand=demand,
                    decision_log=spec.decision_log)

@@ -1,0 +1,264 @@
+"""Start-up measurements on the real device, with dummy requests, before the engine serves:
+how much memory the largest step takes (so that the KV cache gets only what is left) and
+what steps cost (goodput's cost model, kept in the user's cache directory between runs).
+
+Both run before any request exists: the dummy requests may use any page of the cache, and
+what they write there is overwritten before it is ever read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tidal.config import SamplingParams
+from tidal.request import Request
+from tidal.spec.cost_model import CostModel, fill_by_tokens, grid_axes, monotone
+from tidal.step import Drafts, StepPlan
+
+logger = logging.getLogger(__name__)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30, ignore_eos=True)
+# Every filter on, and logprobs: the sampler's largest buffers.
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, max_tokens=1 << 30, ignore_eos=True,
+                         logprobs=20)
+
+
+def dummy_plan(batch: int, context: int, k: int, num_pages: int, page_size: int, params=GREEDY,
+               num_new: int = 1) -> StepPlan:
+    """`batch` requests of `context` computed tokens, each feeding `num_new` tokens (the last
+    of its sequence, so it samples) plus k drafts."""
+    pages = -(-(context + num_new + k) // page_size)
+    reqs = []
+    for i in range(batch):
+        req = Request(f"profile-{i}", None, [0] * (context + num_new), params, i, ())
+        req.num_computed = context
+        req.pages = [1 + (i * pages + p) % (num_pages - 1) for p in range(pages)]
+        reqs.append(req)
+    return StepPlan(reqs, [num_new] * batch, [k] * batch)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Fastest of `repeats` runs after a warm-up: interference only ever adds time."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+# -- memory --------------------------------------------------------------------------------
+
+def largest_step_pages(config, page_size: int) -> int:
+    """Pages the largest steps (`run_largest_steps`) use."""
+    k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+    rows = verify_rows(config)
+    return rows * -(-(page_size + 2 + 2 * k) // page_size) + -(-(config.max_num_batched_tokens + 2 * k + 2) // page_size) + 1
+
+
+def verify_rows(config) -> int:
+    """The most rows a verification step can have: the token budget holds 1 + K a row."""
+    k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+    return max(1, min(config.max_num_seqs, config.max_num_batched_tokens // (1 + k)))
+
+
+@torch.inference_mode()
+def run_largest_steps(runner, proposer) -> None:
+    """The steps that take the most memory: a prompt chunk of the whole token budget, and
+    the widest verification (every row that fits the budget at K drafts, sampled with every
+    filter and logprobs) drafted for by a sampling drafter that first absorbs a whole
+    budget's worth of missed tokens (its largest forward, `ChainDrafter._absorb`) and then
+    catches every row up by K + 2."""
+    config, ps = runner.config, runner.page_size
+    budget = config.max_num_batched_tokens
+    prompt = dummy_plan(1, 0, 0, runner.num_pages, ps, SAMPLED, num_new=min(budget, runner.max_model_len - 1))
+    runner.launch(prompt).result()
+    if proposer is None:
+        b = verify_rows(config)
+        runner.launch(dummy_plan(b, ps, 0, runner.num_pages, ps, SAMPLED)).result()
+        return
+    k = config.speculative_config.num_speculative_tokens
+    plan = dummy_plan(verify_rows(config), ps, k, runner.num_pages, ps, SAMPLED)
+    first = plan.requests[0]  # one row that missed a budget's worth (it takes the pages after the others')
+    first.token_ids = [0] * (budget + k + 3)
+    first.num_computed = len(first.token_ids) - 1
+    used = {p for r in plan.requests[1:] for p in r.pages}
+    first.pages = [p for p in range(1, runner.num_pages) if p not in used][:-(-len(first.token_ids) // ps)]
+    for r in plan.requests:
+        r.num_absorbed = 0 if r is first else r.num_computed - 1
+    drafts = proposer.propose(plan, list(range(len(plan.requests))))
+    runner.launch(plan, drafts).result()
+
+
+def peak_activation_bytes(runner, proposer) -> int:
+    """CUDA: the bytes the largest steps allocate beyond what is resident (weights, cache)."""
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)
+    run_largest_steps(runner, proposer)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - resident
+
+
+def plan_pages(runner, proposer) -> int:
+    """Pages for the KV cache: on cuda, what gpu_memory_utilization leaves after the weights
+    and the largest step's activations (measured on a small cache, given back first); on
+    cpu, what kv_cache_memory_gb holds."""
+    per_page = runner.bytes_per_page(proposer.bytes_per_page if proposer else 0)
+    if runner.device.type != "cuda":
+        return runner.pages_that_fit(per_page, 0)
+    small = largest_step_pages(runner.config, runner.page_size)
+    runner.allocate_cache(small)
+    if proposer is not None:
+        proposer.allocate_cache()
+    peak = peak_activation_bytes(runner, proposer)
+    pages = runner.pages_that_fit(per_page, peak - small * per_page)  # the small cache goes back
+    logger.info("the largest step takes %.2f GiB beside the weights; the KV cache gets %d pages of %.2f MiB",
+                peak / 2**30, pages, per_page / 2**20)
+    return pages
+
+
+# -- costs ---------------------------------------------------------------------------------
+
+def long_context(runner, max_batch: int, max_draft_len: int, max_model_len: int) -> int:
+    """The context at which the profile prices attention: 2,048 tokens, or what fits."""
+    width = grid_axes(max_batch, max_draft_len)[1][-1]
+    return min(2048, max_model_len - width - 1, (runner.num_pages - 1) // min(8, max_batch) * runner.page_size - width)
+
+
+def cached_costs(key: dict, measure: Callable[[], CostModel]) -> CostModel:
+    """The cost model measured before for this `key` (everything the profile depends on),
+    from the cache directory ($TIDAL_CACHE_DIR, else $XDG_CACHE_HOME/tidal or
+    ~/.cache/tidal); else `measure()`, stored there for next time. Online corrections
+    refine either as steps run."""
+    root = Path(os.environ.get("TIDAL_CACHE_DIR") or
+                Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidal")
+    text = json.dumps(key, sort_keys=True, default=str)
+    path = root / f"costs-{hashlib.sha256(text.encode()).hexdigest()[:20]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved["key"] == json.loads(text):
+            model = CostModel(**saved["model"])
+            model.source = f"cached profile ({path})"
+            return model
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: measure again
+    model = measure()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": json.loads(text), "model": model.to_dict()}))
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("could not keep the cost profile in %s: %s", root, e)
+    return model
+
+
+def cost_key(runner, proposer) -> dict:
+    """What a cost profile depends on: the device, the software, the models' shapes, the
+    engine's shapes."""
+    config = runner.config
+    device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else \
+        f"cpu x{os.cpu_count()}"
+    import tidal
+
+    return {"device": device, "torch": torch.__version__, "tidal": tidal.__version__,
+            "model": asdict(runner.model_config), "drafter": repr(getattr(proposer, "config", None)),
+            "method": config.speculative_config.method, "dtype": str(runner.dtype),
+            "graphs": runner.graphs is not None, "attention": type(runner.attn).__name__,
+            "page_size": runner.page_size, "max_num_seqs": config.max_num_seqs,
+            "long_context": long_context(runner, config.max_num_seqs, config.speculative_config.num_speculative_tokens,
+                                         runner.max_model_len), "max_num_batched_tokens": config.max_num_batched_tokens,
+            "k": config.speculative_config.num_speculative_tokens,
+            "seconds": config.speculative_config.profile_seconds}
+
+
+def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_model_len: int,
+                  seconds: float) -> CostModel:
+    """Time real steps (runner.launch, proposer.propose) on dummy requests, smallest shapes
+    first, until `seconds` are spent; shapes left over are extrapolated in proportion to
+    their tokens (the compute-bound guess, right for shapes that are slow to run).
+
+    Runs before the engine serves anything: the page pool is empty, so the dummy requests
+    may use any page, and what they write is overwritten before it is ever read."""
+    start = time.perf_counter()
+    batch_sizes, widths = grid_axes(max_batch, max_draft_len)
+    ctx = runner.page_size
+
+    def run_target(b, w, context=ctx):
+        plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
+        drafts = None
+        if w > 1:
+            drafts = Drafts(torch.zeros(b, w - 1, dtype=torch.int64, device=runner.device), [w - 1] * b)
+        return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
+
+    def run_proposer(b, k, backlog=1):
+        """The proposer on b rows whose drafter has `backlog` tokens to absorb first."""
+        context = max(ctx, backlog)
+        plan = dummy_plan(b, context, k, runner.num_pages, runner.page_size)
+
+        def propose():
+            for r in plan.requests:
+                r.num_absorbed = context - backlog
+            proposer.propose(plan, list(range(b)))
+        return timed(propose, runner.device)
+
+    # Context cost first (it is cheap, and no grid point can stand in for it): the same
+    # small batch at a short and a long context.
+    b_ctx = min(8, max_batch)
+    ctx_long = long_context(runner, max_batch, max_draft_len, max_model_len)
+    context_cost = 0.0
+    if ctx_long > 2 * ctx:
+        short, long = run_target(b_ctx, 1), run_target(b_ctx, 1, ctx_long)
+        context_cost = max(0.0, (long - short) / (b_ctx * (ctx_long - ctx)))
+    # Catch-up, for a drafter with a cache of its own (nor can a grid point stand in for it):
+    # the same rows absorbing one token more than a proposal after a verify step, and many.
+    catch_up_fixed = catch_up_token = 0.0
+    usual_backlog, long_backlog = max_draft_len + 1, min(256, ctx_long)
+    if proposer.bytes_per_page and long_backlog > 2 * usual_backlog:
+        usual, past = run_proposer(b_ctx, 1), run_proposer(b_ctx, 1, usual_backlog + 1)
+        many = run_proposer(b_ctx, 1, long_backlog)
+        catch_up_token = max(0.0, (many - past) / (b_ctx * (long_backlog - usual_backlog - 1)))
+        catch_up_fixed = max(0.0, past - usual - catch_up_token * b_ctx)
+    grid = np.full((len(batch_sizes), len(widths)), np.nan)
+    draft_ks = sorted({1, max_draft_len})
+    drafts = np.full((len(batch_sizes), len(draft_ks)), np.nan)
+    jobs = sorted([(b * w, 0, i, j) for i, b in enumerate(batch_sizes) for j, w in enumerate(widths)]
+                  + [(b * k, 1, i, j) for i, b in enumerate(batch_sizes) for j, k in enumerate(draft_ks)])
+    deadline = start + seconds
+    for _, kind, i, j in jobs:
+        if time.perf_counter() > deadline and (i, j) != (0, 0):  # the smallest shapes always run
+            continue
+        if kind == 0:
+            grid[i, j] = run_target(batch_sizes[i], widths[j])
+        else:
+            drafts[i, j] = run_proposer(batch_sizes[i], draft_ks[j])
+    measured = int(np.isfinite(grid).sum() + np.isfinite(drafts).sum())
+    grid = monotone(fill_by_tokens(grid, batch_sizes, widths))
+    drafts = monotone(fill_by_tokens(drafts, batch_sizes, draft_ks))
+    first, last = drafts[:, 0], drafts[:, -1]
+    step = (last - first) / (draft_ks[-1] - 1) if len(draft_ks) > 1 else first
+    step = np.maximum(step, 0.0)
+    fixed = np.maximum(first - step, 0.0)
+    return CostModel(batch_sizes, widths, grid, padded=getattr(runner, "graphs", None) is not None,
+                     context_ref=ctx, context_cost=context_cost, draft_fixed=fixed, draft_step=step,
+                     catch_up_fixed=catch_up_fixed, catch_up_token=catch_up_token,
+                     source=f"profile: {measured} shapes in {time.perf_counter() - start:.2f} s")
