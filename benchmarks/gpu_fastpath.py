@@ -286,7 +286,7 @@ def sampling_filters(device, results):
 
 def scheduler_overhead(llm, prompts, new_tokens):
     """Python time in schedule + commit (host bookkeeping) vs whole step, at full batch."""
-    engine, scheduler = llm.engine, llm.engine.scheduler
+    engine, scheduler = llm.engine, llm.engine.core.scheduler
     # With async scheduling a step plans the next one (schedule_ahead) and commits itself.
     with timing(("schedule", scheduler, "schedule"), ("schedule", scheduler, "schedule_ahead"),
                 ("commit", scheduler, "commit"), ("step", engine, "step")) as calls:
@@ -304,13 +304,13 @@ def phase_timing(engine):
     target's step (`launch`, of which `graph inputs` fill the graphs' buffers), the policy's
     choice and learning, committing, and waiting for the step's tokens (the device's share
     of the step, less what ran behind the host's work)."""
-    targets = [("step", engine, "step"), ("launch", engine.runner, "launch"),
-               ("choose", engine.scheduler, "_draft_lens"), ("observe", engine, "_observe_last"),
-               ("commit", engine.scheduler, "commit"), ("wait", PendingStep, "result")]
-    graph_sets = [engine.runner.graphs]
-    if engine.proposer is not None:
-        targets.append(("propose", engine.proposer, "propose"))
-        graph_sets += [engine.proposer.catch_up_graphs, *engine.proposer.draft_graphs[:1]]  # [0] loads them all
+    targets = [("step", engine, "step"), ("launch", engine.core.runner, "launch"),
+               ("choose", engine.core.scheduler, "_draft_lens"), ("observe", engine, "_observe_last"),
+               ("commit", engine.core.scheduler, "commit"), ("wait", PendingStep, "result")]
+    graph_sets = [engine.core.runner.graphs]
+    if engine.core.proposer is not None:
+        targets.append(("propose", engine.core.proposer, "propose"))
+        graph_sets += [engine.core.proposer.catch_up_graphs, *engine.core.proposer.draft_graphs[:1]]  # [0] loads them all
     return timing(*targets, *(("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None))
 
 
@@ -336,7 +336,7 @@ def where_time_goes(llm, prompts, steps=24):
     engine = llm.engine
     for p in prompts:
         engine.add_request(engine.make_request(p, greedy(steps + 64)))
-    while engine.scheduler.waiting or any(r.num_computed < r.num_prompt_tokens for r in engine.scheduler.running):
+    while engine.core.scheduler.waiting or any(r.num_computed < r.num_prompt_tokens for r in engine.core.scheduler.running):
         engine.step()  # prefill first: only decode steps are profiled
     for _ in range(4):
         engine.step()
@@ -347,7 +347,7 @@ def where_time_goes(llm, prompts, steps=24):
             engine.step()
         torch.cuda.synchronize() if torch.cuda.is_available() else None
         wall = (time.perf_counter() - start) / steps
-    for req in list(engine.scheduler.running):
+    for req in list(engine.core.scheduler.running):
         engine.abort(req.request_id)
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]

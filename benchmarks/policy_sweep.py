@@ -102,8 +102,8 @@ def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
     over everything; `prefix_hit_pages` should stay 0; `collector`: the garbage collector's
     pauses meanwhile (the heap frozen as the engine's own loops freeze it)."""
     engine = llm.engine
-    drafted, hits = engine.stats()["spec"]["num_drafted"], engine.pool.prefix_hits
-    generated, start = engine.num_generated_tokens, time.perf_counter()
+    drafted, hits = engine.stats()["spec"]["num_drafted"], engine.core.pool.prefix_hits
+    generated, start = engine.core.num_generated_tokens, time.perf_counter()
     window = []  # (time, tokens generated) at the first request's end and at the last start
     with frozen_heap(), collector_pauses() as pauses:  # as `LLM.generate` and the server run
         for i, (clients, total) in enumerate(phases):
@@ -123,17 +123,17 @@ def throughput(llm, phases, prompt_len, new_tokens, vocab, seed=0):
                 for out in engine.step():
                     if out.finished and submitted < total:
                         if not window:
-                            window.append((time.perf_counter(), engine.num_generated_tokens))
+                            window.append((time.perf_counter(), engine.core.num_generated_tokens))
                         submit()
                         if submitted == total:
-                            window.append((time.perf_counter(), engine.num_generated_tokens))
+                            window.append((time.perf_counter(), engine.core.num_generated_tokens))
     seconds = time.perf_counter() - start
-    tokens = engine.num_generated_tokens - generated
+    tokens = engine.core.num_generated_tokens - generated
     (t0, n0), (t1, n1) = window[0], window[-1]
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "steady_tok_s": (n1 - n0) / (t1 - t0) if len(phases) == 1 and t1 > t0 else None,
             "drafted": engine.stats()["spec"]["num_drafted"] - drafted,
-            "prefix_hit_pages": engine.pool.prefix_hits - hits, "collector": pauses}
+            "prefix_hit_pages": engine.core.pool.prefix_hits - hits, "collector": pauses}
 
 
 class StepLog:
@@ -224,18 +224,18 @@ def main():
             llm = LLM(model=str(model_dir), speculative_config=sc, device=device, load_format="dummy",
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=1024,
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
-            goodput = llm.engine.scheduler.policy
+            goodput = llm.engine.core.scheduler.policy
             results[f"full_collection_ms a={acc}"] = full_collection_ms()
             steps = open(Path(tmp) / f"steps_a{acc}.jsonl", "w")
             logged = {name: StepLog(policy, steps, name) for name, policy in
                       zip(NAMES, (Off(), Fixed(1), Fixed(2), Fixed(4)))}
             policies = {**logged, "goodput": goodput}
             for warm in (Fixed(4), Off()):  # compile every kernel shape before timing
-                llm.engine.scheduler.policy = warm
+                llm.engine.core.scheduler.policy = warm
                 throughput(llm, bursty, prompt_len, 16, shape["vocab_size"])
             for repeat, order in enumerate((NAMES, NAMES[::-1])):
                 for name in order:
-                    llm.engine.scheduler.policy = policies[name]
+                    llm.engine.core.scheduler.policy = policies[name]
                     for load, phases in loads.items():
                         if name in logged:
                             logged[name].load, logged[name].decode_steps = load, []

@@ -260,7 +260,7 @@ def mixed_section(model_dir, device, smoke):
 
     llm = LLM(model=str(model_dir), device=device, load_format="dummy", max_model_len=1024, max_num_seqs=64,
               num_pages=64 * 24 + 64, dtype="bfloat16" if device == "cuda" else "float32")
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     ps = runner.page_size
     decodes, ctx, prompt = (4, 20, 16) if smoke else (64, 200, 128)
     per_row = -(-(ctx + 1) // ps)

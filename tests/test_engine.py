@@ -82,7 +82,7 @@ def test_preemption_keeps_outputs_and_frees_pages(checkpoint):
     want = token_ids(roomy.generate(batch, greedy(), use_tqdm=False))
     tight = LLM(model=model_dir, page_size=4, num_pages=32, max_model_len=120, enable_prefix_caching=False)
     got = token_ids(tight.generate(batch, greedy(), use_tqdm=False))
-    assert tight.engine.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert tight.engine.core.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert got == want
     assert_idle(tight)
 
@@ -92,10 +92,10 @@ def test_prefix_cache_reuses_pages(checkpoint):
     prefix = prompts(1, seed=4, lengths=(40,))[0]
     llm = LLM(model=model_dir, page_size=8)
     first = llm.generate([prefix + [5, 6, 7]], greedy(), use_tqdm=False)[0]
-    hits_before = llm.engine.pool.prefix_hits
+    hits_before = llm.engine.core.pool.prefix_hits
     second = llm.generate([prefix + [5, 6, 7]], greedy(), use_tqdm=False)[0]
     # 43 prompt tokens: 5 full pages of 8 can be reused (at least one token is recomputed).
-    assert llm.engine.pool.prefix_hits - hits_before == 5
+    assert llm.engine.core.pool.prefix_hits - hits_before == 5
     assert second.metrics["num_cached_prompt_tokens"] == 40
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     cold = LLM(model=model_dir, page_size=8, enable_prefix_caching=False)
@@ -236,9 +236,9 @@ def test_abort_while_a_step_is_queued_ahead(checkpoint):
     reqs = [engine.make_request(p, greedy()) for p in prompts(3, seed=2)]
     for req in reqs:
         engine.add_request(req)
-    while engine.num_steps_ahead == 0:
+    while engine.core.num_steps_ahead == 0:
         engine.step()
-    assert engine.in_flight is not None
+    assert engine.core.in_flight is not None
     assert engine.abort(reqs[1].request_id).finished
     done = {}
     while engine.has_unfinished():
@@ -255,7 +255,7 @@ def test_sampling_tensors_are_built_once_per_set_of_rows(checkpoint, monkeypatch
     from tidal.layers import sampler
 
     engine = LLM(model=checkpoint("llama"), page_size=8).engine
-    runner, builds, real = engine.runner, [], sampler.SamplingTensors.build
+    runner, builds, real = engine.core.runner, [], sampler.SamplingTensors.build
     monkeypatch.setattr(sampler.SamplingTensors, "build", lambda *a: builds.append(1) or real(*a))
     reqs = [engine.make_request(p, greedy()) for p in prompts(3)]
     drafting, sampling = reqs[:2], reqs

@@ -459,8 +459,8 @@ def spec(models, method, **extra):
 
 def inject(llm, cost_model):
     engine = llm.engine
-    engine.scheduler.policy = make_policy(engine.config.speculative_config, pool=engine.pool,
-                                          demand=engine.scheduler.prefill_demand, cost_model=cost_model)
+    engine.core.scheduler.policy = make_policy(engine.config.speculative_config, pool=engine.core.pool,
+                                          demand=engine.core.scheduler.prefill_demand, cost_model=cost_model)
 
 
 def generate(llm, prompts, params):
@@ -485,7 +485,7 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     log = tmp_path / "decisions.jsonl"
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=4,
               speculative_config=spec(models, "draft_model", profile_seconds=1.0, decision_log=str(log)))
-    model = llm.engine.scheduler.policy.cost
+    model = llm.engine.core.scheduler.policy.cost
     assert np.isfinite(model.grid).all() and (model.grid > 0).all()
     assert (np.diff(model.grid, axis=0) >= 0).all() and (np.diff(model.grid, axis=1) >= 0).all()
     assert (model.draft_step + model.draft_fixed > 0).all()  # a draft model is not free
@@ -513,7 +513,7 @@ def test_each_step_is_observed_with_the_decision_it_was_made_from(models, tmp_pa
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=3,
               speculative_config=spec(models, "draft_model", cost_model="online", decision_log=str(log)))
     inject(llm, overhead_plus_tokens())
-    llm.engine.scheduler.policy.log = open(log, "a", buffering=1)
+    llm.engine.core.scheduler.policy.log = open(log, "a", buffering=1)
     got, stats = generate(llm, prompts, params)
     assert got == plain
     lines = [json.loads(line) for line in log.read_text().splitlines()]
@@ -534,7 +534,7 @@ def test_k_follows_the_load(models):
     for concurrency in (1, 32):
         llm = LLM(model=models["target"], page_size=4,
                   speculative_config=spec(models, "ngram", cost_model="online", simulate_acceptance=0.8))
-        llm.engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+        llm.engine.core.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
         inject(llm, roofline(16, 4))
         params = SamplingParams(temperature=0, max_tokens=48 if concurrency == 1 else 16, ignore_eos=True)
         _, stats = generate(llm, [[5, 6, 7, 8]] * concurrency, params)

@@ -17,21 +17,21 @@ def test_largest_steps_are_bounded_and_leave_the_engine_exact(checkpoint, tmp_pa
     want = [o.outputs[0].token_ids for o in LLM(model=target).generate(PROMPTS, GREEDY, use_tqdm=False)]
     llm = LLM(model=target, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=spec)
     engine = llm.engine
-    assert engine.runner.num_pages >= largest_step_pages(engine.config, engine.config.page_size)
+    assert engine.core.runner.num_pages >= largest_step_pages(engine.config, engine.config.page_size)
     sizes = {"target": [], "drafter": []}
-    model_forward, draft_forward = engine.runner.model.forward, engine.proposer.forward
-    engine.runner.model.forward = lambda ids, batch, kv: sizes["target"].append(len(ids)) or model_forward(ids, batch, kv)
-    engine.proposer.forward = lambda batch, state: sizes["drafter"].append(batch.num_tokens) or draft_forward(batch, state)
-    run_largest_steps(engine.runner, engine.proposer)
+    model_forward, draft_forward = engine.core.runner.model.forward, engine.core.proposer.forward
+    engine.core.runner.model.forward = lambda ids, batch, kv: sizes["target"].append(len(ids)) or model_forward(ids, batch, kv)
+    engine.core.proposer.forward = lambda batch, state: sizes["drafter"].append(batch.num_tokens) or draft_forward(batch, state)
+    run_largest_steps(engine.core.runner, engine.core.proposer)
     assert sizes["target"] == [64, 8 * 4]  # a budget-long prompt chunk, then 8 rows verifying 3 drafts
     assert sizes["drafter"][0] == 64 and max(sizes["drafter"]) == 64  # one budget-long absorb, none larger
     assert max(sizes["drafter"][1:]) <= 8 * (3 + 2)
-    engine.runner.model.forward, engine.proposer.forward = model_forward, draft_forward
+    engine.core.runner.model.forward, engine.core.proposer.forward = model_forward, draft_forward
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
-    assert engine.pool.num_free == engine.pool.capacity
-    assert plan_pages(engine.runner, engine.proposer) == int(engine.config.kv_cache_memory_gb * 2**30
-                                                             // engine.runner.bytes_per_page(engine.proposer.bytes_per_page))
+    assert engine.core.pool.num_free == engine.core.pool.capacity
+    assert plan_pages(engine.core.runner, engine.core.proposer) == int(engine.config.kv_cache_memory_gb * 2**30
+                                                             // engine.core.runner.bytes_per_page(engine.core.proposer.bytes_per_page))
 
 
 def test_the_cost_profile_is_kept_for_the_same_shapes(checkpoint, tmp_path, monkeypatch):
@@ -39,7 +39,7 @@ def test_the_cost_profile_is_kept_for_the_same_shapes(checkpoint, tmp_path, monk
     spec = {"method": "ngram", "num_speculative_tokens": 3, "profile_seconds": 0.2}
 
     def costs(**kw):
-        return LLM(model=checkpoint("llama"), speculative_config={**spec, **kw}).engine.scheduler.policy.cost
+        return LLM(model=checkpoint("llama"), speculative_config={**spec, **kw}).engine.core.scheduler.policy.cost
 
     first, again, other = costs(), costs(), costs(num_speculative_tokens=2)
     assert first.source.startswith("profile:") and again.source.startswith("cached profile")

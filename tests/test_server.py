@@ -1,8 +1,8 @@
 """The OpenAI-compatible server, live on loopback, driven by the real `openai` client.
 
-One in-process server (uvicorn on a thread) serves most tests; a second one, started by
-`tidal serve` in a subprocess with --api-key, covers the CLI, authentication and the
-SIGTERM drain.
+One server (uvicorn on a thread, its engine core in a process of its own) serves most
+tests; others, started by `tidal serve` in a subprocess, cover the CLI, authentication,
+the SIGTERM drain and the engine process dying.
 """
 
 import asyncio
@@ -22,8 +22,9 @@ import uvicorn
 from openai import AsyncOpenAI, AuthenticationError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal import EngineConfig, LLMEngine
-from tidal.server import build_app
+from tidal import EngineConfig
+from tidal.engine import EngineCore
+from tidal.server import AsyncEngine, build_app
 
 MODEL = "tiny-llama"
 API_KEY = "sk-tidal-test"
@@ -46,9 +47,24 @@ def uvicorn_thread(app):
     thread.join(timeout=10)
 
 
+def failing_core(config):
+    """An engine core whose second step fails (it runs in the core's process: it travels by name)."""
+    core = EngineCore(config)
+    real_step, calls = core.step, itertools.count()
+    core.step = lambda: real_step() if next(calls) != 1 else 1 / 0
+    return core
+
+
+def always_drafting_core(config):
+    """An n-gram proposer that always proposes, so that every decode step drafts."""
+    core = EngineCore(config)
+    core.proposer.lookup = lambda tokens, n: [3] * n
+    return core
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=1024))
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=1024))
     with uvicorn_thread(build_app(engine, MODEL)) as url:
         yield url
 
@@ -249,9 +265,8 @@ def test_metrics_move(server, client):
 
 
 def test_engine_failure_fails_its_requests_and_the_server_recovers(checkpoint):
-    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256))
-    real_step, calls = engine.step, itertools.count()
-    engine.step = lambda: real_step() if next(calls) != 1 else 1 / 0
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256),
+                         make_core=failing_core)
     with uvicorn_thread(build_app(engine, MODEL)) as url:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
         assert response.status_code == 500 and "ZeroDivisionError" in response.json()["error"]["message"]
@@ -262,9 +277,8 @@ def test_engine_failure_fails_its_requests_and_the_server_recovers(checkpoint):
 
 def test_speculation_metrics(checkpoint):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed", "simulate_acceptance": 0.6}
-    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256,
-                                    speculative_config=spec))
-    engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose, so every decode step drafts
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256,
+                                      speculative_config=spec), make_core=always_drafting_core)
     with uvicorn_thread(build_app(engine, MODEL)) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         for i in range(3):
@@ -282,14 +296,13 @@ def test_speculation_metrics(checkpoint):
 
 def test_goodput_metrics(checkpoint):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "cost_model": "online", "simulate_acceptance": 0.6}
-    engine = LLMEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256,
-                                    speculative_config=spec))
-    engine.proposer.lookup = lambda tokens, n: [3] * n
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256,
+                                      speculative_config=spec), make_core=always_drafting_core)
     with uvicorn_thread(build_app(engine, MODEL)) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         client.completions.create(model=MODEL, prompt="Adapt", max_tokens=20, **GREEDY)
         m = wait_idle(url)
-    policy = engine.stats()["policy"]
+        policy = engine.metrics.stats["policy"]  # the core's last snapshot
     assert m["tidal_policy_decisions_total"] == policy["num_decisions"] > 0
     assert m["tidal_policy_step_seconds{kind=observed}"] > 0 and m["tidal_policy_step_seconds{kind=predicted}"] > 0
     assert m["tidal_policy_step_time_error"] == pytest.approx(policy["step_time"]["mean_abs_rel_error"])

@@ -114,7 +114,7 @@ def test_greedy_lossless_for_every_k(models, plain, method):
 def test_greedy_lossless_with_random_k_per_request(models, plain, method):
     llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 5))
     policy = RandomPolicy(seed=11)
-    llm.engine.scheduler.policy = policy
+    llm.engine.core.scheduler.policy = policy
     got, outs = run(llm, repetitive_prompts(), greedy())
     assert got == plain
     mixed = [ks for ks in policy.chosen if len(set(ks)) > 1 and 0 in ks]
@@ -132,15 +132,15 @@ def test_greedy_lossless_when_drafts_share_a_step_with_a_prompt_chunk(models, pl
     llm = LLM(model=models["target"], page_size=4, max_num_batched_tokens=10,
               speculative_config=spec_config(models, method, 3))
     if method == "ngram":
-        llm.engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
-    launch, shared = llm.engine.runner.launch, []
+        llm.engine.core.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+    launch, shared = llm.engine.core.runner.launch, []
 
     def recording(plan, drafts=None, *args, **kwargs):
         samples = [plan.samples(i) for i in range(len(plan.requests))]
         shared.append(any(plan.draft_lens) and not all(samples))
         return launch(plan, drafts, *args, **kwargs)
 
-    llm.engine.runner.launch = recording
+    llm.engine.core.runner.launch = recording
     got, _ = run(llm, repetitive_prompts(), greedy())
     assert got == plain
     assert any(shared), "no step had both drafts and a prompt chunk"
@@ -167,19 +167,19 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     for overlap in (False, True):
         llm = LLM(model=models["target"], page_size=4, async_scheduling=overlap,
                   speculative_config=spec_config(models, method, 3))
-        launch, behind_drafts = llm.engine.runner.launch, []
+        launch, behind_drafts = llm.engine.core.runner.launch, []
 
         def recording(plan, drafts=None, ahead=None):
             behind_drafts.append(ahead is not None and ahead.rejected is not None)
             return launch(plan, drafts, ahead)
 
-        llm.engine.runner.launch = recording
+        llm.engine.core.runner.launch = recording
         outputs[overlap] = run(llm, prompts[:3], params)[0]
         assert any(behind_drafts) == overlap, "want steps planned ahead of drafting ones"
     assert outputs[True] == outputs[False] == [probe[0][:9], probe[1][:13], probe[2]]
 
     seen = {"verify": [], "draft": [], "true": []}
-    sample_draft, commit = llm.engine.proposer._sample, llm.engine.scheduler.commit
+    sample_draft, commit = llm.engine.core.proposer._sample, llm.engine.core.scheduler.commit
 
     def verify(logits, tokens, probs, ks, st, counters, **kwargs):
         seen["verify"].append(counters.tolist())
@@ -195,8 +195,8 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
         return commit(plan, result, in_flight)
 
     monkeypatch.setattr(tidal.runner, "verify", verify)
-    monkeypatch.setattr(llm.engine.proposer, "_sample", drafting_sample)
-    monkeypatch.setattr(llm.engine.scheduler, "commit", committing)
+    monkeypatch.setattr(llm.engine.core.proposer, "_sample", drafting_sample)
+    monkeypatch.setattr(llm.engine.core.scheduler, "commit", committing)
     sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in range(3)]
     run(llm, prompts[:3], sampled)
     drafting = [(ks, true) for ks, true in seen["true"] if any(ks)]
@@ -208,7 +208,7 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
 def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):
     llm = LLM(model=models["target"], page_size=4,
               speculative_config=spec_config(models, "draft_model", 4, policy="off"))
-    monkeypatch.setattr(llm.engine.proposer, "propose", lambda *a: pytest.fail("proposer called at K = 0"))
+    monkeypatch.setattr(llm.engine.core.proposer, "propose", lambda *a: pytest.fail("proposer called at K = 0"))
     got, _ = run(llm, repetitive_prompts(), greedy())
     assert got == plain
     assert llm.engine.stats()["spec"]["num_drafted"] == 0
@@ -227,7 +227,7 @@ def test_catch_up_after_off_periods_is_lossless(models, plain):
 
     for method in ("draft_model", "eagle3"):
         llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 3))
-        llm.engine.scheduler.policy = Bursts()
+        llm.engine.core.scheduler.policy = Bursts()
         got, _ = run(llm, repetitive_prompts(), greedy())
         assert got == plain
 
@@ -239,7 +239,7 @@ def test_a_catch_up_larger_than_a_forward_is_split_and_drafts_the_same(models, p
     drafts, sizes = {}, {}
     for absorb in (1 << 20, 8):
         llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 3))
-        proposer = llm.engine.proposer
+        proposer = llm.engine.core.proposer
         proposer.absorb_tokens = absorb
         forward, propose = proposer.forward, proposer.propose
         sizes[absorb], drafts[absorb] = [], []
@@ -264,7 +264,7 @@ def test_preemption_and_prefix_cache_with_speculation(models, plain):
     llm = LLM(model=models["target"], page_size=4, num_pages=28, max_model_len=96,
               speculative_config=spec_config(models, "draft_model", 4))
     got, _ = run(llm, repetitive_prompts(), greedy())
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert got == plain
     again, _ = run(llm, repetitive_prompts()[:1], greedy())  # prefix-cache hit, drafter catches up
     assert again[0] == plain[0]
@@ -286,7 +286,7 @@ def test_simulated_acceptance(models):
     a, k = 0.7, 4
     llm = LLM(model=models["target"], page_size=4,
               speculative_config=spec_config(models, "ngram", k, simulate_acceptance=a))
-    llm.engine.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+    llm.engine.core.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
     run(llm, repetitive_prompts() * 4, greedy(64))
     spec = llm.engine.stats()["spec"]
     # Accepted drafts per step: geometric, truncated at K (steps near max_tokens draft fewer).
@@ -336,16 +336,16 @@ def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_misplace
     target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256), **shape)
     spec = LLM(model=models["target"], page_size=4, max_num_seqs=256,
                speculative_config=spec_config(models, "draft_model", 3))
-    spec.engine.scheduler.policy = RandomPolicy(seed=3)
+    spec.engine.core.scheduler.policy = RandomPolicy(seed=3)
     assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) > ALPHA
     assert spec.engine.stats()["spec"]["acceptance_per_position"][1] > 0, "want rows verifying 2+ drafts"
-    propose = spec.engine.proposer.propose
+    propose = spec.engine.core.proposer.propose
     for misplace in (lambda probs: probs.roll(1, 0), lambda probs: probs.roll(1, 1)):
         def misplaced(plan, rows, ahead=None, misplace=misplace):
             drafts = propose(plan, rows, ahead)
             return Drafts(drafts.tokens, drafts.lens, misplace(drafts.probs))
 
-        spec.engine.proposer.propose = misplaced
+        spec.engine.core.proposer.propose = misplaced
         assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) < ALPHA
 
 

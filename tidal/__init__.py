@@ -1,7 +1,7 @@
 """tidal: LLM inference and serving with load-adaptive speculative decoding."""
 
 from tidal.config import EngineConfig, SamplingParams, SpecConfig
-from tidal.engine import LLM, LLMEngine
+from tidal.llm import LLM, LLMEngine
 from tidal.request import CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput"]

@@ -39,8 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tidal.server import run_server
 
-    run_server(args)
-    return 0
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 endpoints")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--drain-s", type=float, default=30.0,
+                       help="on SIGTERM, seconds running requests may take to finish before they end with an error")
+    serve.add_argument("--max-request-body-mb", type=float, default=8.0,
+                       help="larger request bodies get 413 before anything parses them")
     serve.set_defaults(func=cmd_serve)
     add_bench_parser(sub)
     return parser

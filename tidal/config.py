@@ -47,8 +47,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:  # NaN fails too
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^63), got {self.seed!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):

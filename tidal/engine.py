@@ -1,5 +1,5 @@
-"""LLMEngine.step(): schedule -> propose -> run and verify -> commit -> outputs; and the
-offline `LLM` API in vLLM's shape."""
+"""The engine core: `EngineCore.step()` is schedule -> propose -> run and verify -> commit ->
+outputs, on token ids alone (prompts in and text out are `tidal.processing`'s)."""
 
 from __future__ import annotations
 
@@ -7,26 +7,19 @@ import contextlib
 import gc
 import itertools
 import logging
-import random
 import time
-from dataclasses import fields
-from typing import Sequence
 
-from tqdm import tqdm
-
-from tidal.config import EngineConfig, SamplingParams, SimulatedAcceptance, SpecConfig
+from tidal.config import EngineConfig
 from tidal.kv_cache import PagePool
 from tidal.models.config import ModelConfig
 from tidal.profiling import cached_costs, cost_key, measure_costs, plan_pages
-from tidal.request import CompletionOutput, Request, RequestOutput, SpecStats
+from tidal.processing import EngineOutput
+from tidal.request import Request
 from tidal.runner import ModelRunner, PendingStep
 from tidal.scheduler import Scheduler, pages_for
 from tidal.spec import build_proposer
 from tidal.spec.policy import make_policy
 from tidal.step import StepPlan
-from tidal.tokenizer import IncrementalDetokenizer, Tokenizer
-
-Prompt = str | Sequence[int]
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +47,7 @@ def frozen_heap():
             gc.unfreeze()
 
 
-class LLMEngine:
+class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -63,7 +56,6 @@ class LLMEngine:
             raise ValueError(f"max_model_len: {config.max_model_len} is more than the model's context of {limit} "
                              "tokens (max_position_embeddings in its config.json)")
         self.max_model_len = config.max_model_len or limit
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
         spec = config.speculative_config
         self.proposer = build_proposer(spec, self.runner, self.model_config) if spec else None
@@ -93,10 +85,6 @@ class LLMEngine:
             self.scheduler.policy = make_policy(
                 spec, pool=self.pool, demand=self.scheduler.prefill_demand, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens, cost_model=costs)
-        self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.seeds = random.Random(config.seed)
-        self.ids = itertools.count()
         self.in_flight: PendingStep | None = None  # a step queued on the device, not yet committed
         self.planned: StepPlan | None = None       # a drafting step planned ahead, to launch next
         self.last_ready: float | None = None       # when the last step's tokens came back (None: idle since)
@@ -121,67 +109,33 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def make_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                     stream: bool = False, simulate_acceptance=None) -> Request:
-        """Validate and tokenize; raises ValueError naming the problem, touching no state.
-        A streaming request gets an output from every step that commits its tokens; any
-        other one only its final output (detokenizing every request every step is the
-        largest host cost of a big batch). `simulate_acceptance` (benchmarks only, on an
-        engine that simulates acceptance) replaces the engine's for this request, so one
-        server can serve workloads of different acceptance."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        if not ids:
-            raise ValueError("prompt: empty prompt")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {self.max_model_len} "
-                             "(the prompt and at least one generated token must fit)")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} are more than "
-                             f"max_model_len {self.max_model_len}")
-        request_id = request_id if request_id is not None else str(next(self.ids))
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already running")
-        spec = self.config.speculative_config
-        simulated = spec.simulate_acceptance if spec else None
-        if simulate_acceptance is not None:
-            if simulated is None:
-                raise ValueError("simulate_acceptance: this engine does not simulate acceptance (benchmarks start it "
-                                 "with speculative_config.simulate_acceptance)")
-            simulated = SimulatedAcceptance.parse(simulate_acceptance, "simulate_acceptance")
-        seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
-        req = Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
-        if simulated is not None:
-            req.simulated_acceptance = simulated.rates(seed, spec.num_speculative_tokens)
-        return req
-
     def add_request(self, req: Request) -> None:
-        self.requests[req.request_id] = req
-        self.detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.tokenizer, req.token_ids, req.params.stop, req.params.include_stop_str_in_output)
+        """Queue a request made by `InputProcessor.make_request`; it joins the running batch
+        at the next step it fits in."""
         self.scheduler.add(req)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.abort(request_id)
+    def finish(self, request_id: str, reason: str = "abort", stop_reason: str | None = None) -> EngineOutput | None:
+        """End a request now (an abort, or a stop string its text reached), freeing its
+        pages; its last output, or None if it is not running."""
+        req = self.scheduler.find(request_id)
         if req is None:
             return None
-        return self._finish_output(req)
+        self.scheduler.finish(req, reason, stop_reason)
+        return self._output(req)
+
+    def request_ids(self) -> list[str]:
+        """The requests running or waiting."""
+        return [req.request_id for req in itertools.chain(self.scheduler.running, self.scheduler.waiting)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None
 
     # -- the step ------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One forward step. Returns an output (with the text delta) for every request
-        that finished, and for every streaming one that committed tokens.
+    def step(self) -> list[EngineOutput]:
+        """One forward step. Returns an output (the tokens committed since the request's
+        last one) for every request that finished, and for every streaming one (or one with
+        stop strings, which the front finds in its text) that committed tokens.
 
         Async scheduling: while a step whose rows all sample runs on the device (decodes,
         verifications, prompts' last chunks), the next step is planned, drafted for and
@@ -253,35 +207,17 @@ class LLMEngine:
         step.started = started
         return step
 
-    def _output(self, req: Request) -> RequestOutput:
-        detok = self.detokenizers[req.request_id]
-        delta = detok.add(req.token_ids[req.num_prompt_tokens + detok.num_tokens:])
-        if detok.stopped and not req.finished:
-            self.scheduler.finish(req, "stop", detok.stop_str)
-        if req.finished:
-            return self._finish_output(req, delta)
-        return self._make_output(req, detok, delta)
-
-    def _finish_output(self, req: Request, delta: str = "") -> RequestOutput:
-        detok = self.detokenizers.pop(req.request_id)
-        self.requests.pop(req.request_id, None)
-        return self._make_output(req, detok, delta + detok.flush())
-
-    def _make_output(self, req: Request, detok: IncrementalDetokenizer, delta: str) -> RequestOutput:
-        completion = CompletionOutput(0, detok.released_text, delta, req.output_token_ids, req.finish_reason,
-                                      req.stop_reason, req.logprobs)
-        metrics = {
-            "num_prompt_tokens": req.num_prompt_tokens,
-            "num_cached_prompt_tokens": req.num_cached_prompt_tokens,
-            "num_preemptions": req.num_preemptions,
-            "arrival_time": req.arrival_time,
-            "first_token_time": req.first_token_time,
-            "finish_time": req.finish_time,
-        }
-        if req.finished:
-            metrics["spec"] = req.spec.as_dict()
-        return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens], [completion],
-                             req.finished, metrics)
+    def _output(self, req: Request) -> EngineOutput:
+        """The request's tokens since its last output; at its end, why it ended and its metrics."""
+        new = req.output_token_ids[req.num_sent:]
+        logprobs = req.logprobs[req.num_sent:req.num_sent + len(new)] if req.logprobs is not None else None
+        req.num_sent += len(new)
+        if not req.finished:
+            return EngineOutput(req.request_id, new, logprobs)
+        metrics = {"num_prompt_tokens": req.num_prompt_tokens, "num_cached_prompt_tokens": req.num_cached_prompt_tokens,
+                   "num_preemptions": req.num_preemptions, "arrival_time": req.arrival_time,
+                   "first_token_time": req.first_token_time, "finish_time": req.finish_time, "spec": req.spec.as_dict()}
+        return EngineOutput(req.request_id, new, logprobs, req.finish_reason, req.stop_reason, metrics)
 
     def stats(self) -> dict:
         return {
@@ -297,52 +233,3 @@ class LLMEngine:
             "spec": self.scheduler.spec.as_dict(),
             "policy": {**self.scheduler.policy.stats(), "draft_len_counts": list(self.scheduler.draft_len_counts)},
         }
-
-
-class LLM:
-    """Offline inference: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str, speculative_config: dict | SpecConfig | None = None, **kwargs):
-        known = {f.name for f in fields(EngineConfig)}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise ValueError(f"LLM: unknown arguments {sorted(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, speculative_config=speculative_config, **kwargs))
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        # Validate every prompt before any is queued: a bad one leaves the engine untouched.
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
-        for req in requests:
-            self.engine.add_request(req)
-        return self._run(requests, use_tqdm)
-
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        generated = self.engine.num_generated_tokens
-        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm or len(requests) < 2)
-        start = time.monotonic()
-        with frozen_heap():
-            while self.engine.has_unfinished():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-                elapsed = max(time.monotonic() - start, 1e-9)
-                bar.set_postfix(tok_s=f"{(self.engine.num_generated_tokens - generated) / elapsed:.0f}", refresh=False)
-        bar.close()
-        return [done[r.request_id] for r in requests]

@@ -91,6 +91,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed = 0                      # leading tokens whose KV is in the cache
         self.num_absorbed = 0                      # leading tokens in the drafter's KV (<= num_computed)
+        self.num_sent = 0                          # output tokens already in an EngineOutput
         self.pages: list[int] = []
         self.page_keys: list[int] = []             # prefix-cache key chain of the full pages
         self.num_cached_prompt_tokens = 0          # prompt tokens served by the prefix cache

@@ -44,12 +44,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def abort(self, request_id: str) -> Request | None:
-        for req in itertools.chain(self.running, self.waiting):
-            if req.request_id == request_id:
-                self.finish(req, "abort")
-                return req
-        return None
+    def find(self, request_id: str) -> Request | None:
+        """The running or waiting request of this id."""
+        return next((req for req in itertools.chain(self.running, self.waiting) if req.request_id == request_id), None)
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request outside a commit (abort, or a stop string found in its text)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Sequence
@@ -35,6 +36,12 @@ class Tokenizer:
         list several there, e.g. an end-of-turn token)."""
         hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         return cls(hf, _generation_eos_ids(model_dir))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (its vocabulary entry is at
+        least as long): a text of n characters is at least n / max_token_chars tokens."""
+        return max(1, max(len(t) for t in self.hf.get_vocab()))
 
     @property
     def vocab_size(self) -> int:

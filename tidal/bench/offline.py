@@ -14,7 +14,7 @@ from tidal import LLM, SamplingParams
 from tidal.bench.datasets import BenchRequest
 from tidal.bench.workload import (Load, RequestRecord, mode_spec_config, split_requests,
                                   summarize_run, sweep_report, warm_up_load)
-from tidal.engine import LLMEngine
+from tidal.llm import LLMEngine
 
 
 def engine_counters(engine: LLMEngine) -> dict:

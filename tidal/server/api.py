@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP API: `build_app` (FastAPI) and `run_server` (`tidal serve`).
 
-Every request is validated, tokenized and turned into engine requests in its handler,
-before anything is queued, so a bad field is a 400 and never reaches the engine thread.
+Every request is validated, tokenized (on a worker thread, so that a long prompt does not
+hold up the event loop) and turned into engine requests in its handler, before anything
+is queued, so a bad field is a 400 and never reaches the engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
+import logging
 import re
 import secrets
 import time
@@ -16,7 +19,7 @@ from contextlib import aclosing, asynccontextmanager
 from typing import AsyncIterator
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
@@ -24,10 +27,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from tidal.engine_args import engine_kwargs
 from tidal.config import EngineConfig, SamplingParams
 from tidal.demo import DEMO_NAME
-from tidal.engine import LLMEngine
+from tidal.engine_args import engine_kwargs
+from tidal.processing import check_text
 from tidal.request import CompletionOutput, RequestOutput
 from tidal.request import Request as EngineRequest
 from tidal.server.async_engine import AsyncEngine, EngineError
@@ -37,8 +40,7 @@ from tidal.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice
                                    DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList, SamplingFields,
                                    TokenLogprob, TopLogprob, Usage)
 
-GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, how long running requests may take to finish before they are cut
-
+logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
@@ -51,48 +53,129 @@ class APIError(Exception):
         return JSONResponse(ErrorResponse(error=self.info).model_dump(), status_code=self.status)
 
 
-def build_app(engine: LLMEngine | AsyncEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The server's app. The engine thread starts and stops with the app's lifespan."""
-    async_engine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    serving = OpenAIServing(async_engine, served_model_name)
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_request_body_bytes: int = 8 * 2**20) -> RequestGuard:
+    """The server's app around an engine whose core process is running; the threads that
+    talk to it start and stop with the app's lifespan."""
+    serving = OpenAIServing(engine, served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine.start()
+        engine.start()
         yield
-        await async_engine.stop()
+        await engine.stop()
 
     app = FastAPI(title="tidal", lifespan=lifespan)
     add_error_handlers(app)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(api_key))] if api_key else [])
-    v1.add_api_route("/completions", serving.completions, methods=["POST"])
-    v1.add_api_route("/chat/completions", serving.chat_completions, methods=["POST"])
-    v1.add_api_route("/models", serving.models, methods=["GET"])
-    app.include_router(v1)
+    app.add_api_route("/v1/completions", serving.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", serving.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", serving.models, methods=["GET"])
 
     @app.get("/health")
     async def health():
-        if not async_engine.is_running:
+        if not engine.is_running:
             raise APIError(503, "the engine is not running", type="server_error")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return RequestGuard(app, api_key, max_request_body_bytes)
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """`tidal serve`: load the engine, then serve until SIGTERM / Ctrl-C, which drains
-    (uvicorn lets running requests finish, then the lifespan stops the engine thread)."""
-    engine = LLMEngine(EngineConfig(**engine_kwargs(args)))
+class RequestGuard:
+    """Checked before a request reaches routing or body parsing: the API key on /v1 paths
+    (so a malformed body or an unknown path tells nothing to a client without it), then
+    the body's size, read here in full up to the limit (a larger one is 413 at once)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected and scope["path"].startswith("/v1") and \
+                not secrets.compare_digest(headers.get(b"authorization", b""), self.expected):
+            return await self.refuse(send, APIError(
+                401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
+                code="invalid_api_key"))
+        too_large = APIError(413, f"request body larger than {self.max_body_bytes} bytes "
+                                  "(the server's --max-request-body-mb)", code="request_too_large")
+        if int(headers.get(b"content-length", b"0") or 0) > self.max_body_bytes:
+            return await self.refuse(send, too_large)
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+            if sum(map(len, body)) > self.max_body_bytes:
+                return await self.refuse(send, too_large)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what follows the body: the client's disconnect
+            replayed = True
+            return {"type": "http.request", "body": b"".join(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def refuse(send, error: APIError) -> None:
+        body = ErrorResponse(error=error.info).model_dump_json().encode()
+        await send({"type": "http.response.start", "status": error.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, which on SIGTERM (or Ctrl-C) stops taking connections and lets running
+    requests finish for up to `drain_s` seconds, then ends those left with an OpenAI-style
+    error (a stream gets an error event and [DONE]); and which exits when the engine dies."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.drain_s = drain_s
+        self.draining = False
+        engine.on_death = self.engine_died
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.draining and self.engine.is_running:
+            self.draining = True
+            error = EngineError(f"the server is shutting down: the request did not finish within the "
+                                f"{self.drain_s:g} s drain window", 503)
+            self.engine._loop.call_later(self.drain_s, self.engine.fail_all, error)
+        super().handle_exit(sig, frame)
+
+    def engine_died(self) -> None:
+        self.should_exit = True
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`tidal serve`: start the engine core's process, then serve until SIGTERM / Ctrl-C
+    (drained, see DrainingServer). Returns 1 if the engine died, so that a supervisor
+    restarts the server."""
+    if args.drain_s < 0 or args.max_request_body_mb <= 0:
+        raise ValueError("--drain-s must be >= 0 and --max-request-body-mb > 0")
+    engine = AsyncEngine(EngineConfig(**engine_kwargs(args)))
+    logger.info("engine core ready: %s", engine.description)
     name = args.served_model_name or args.model or DEMO_NAME
-    app = build_app(engine, name, args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    app = build_app(engine, name, args.api_key, int(args.max_request_body_mb * 2**20))
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           timeout_graceful_shutdown=int(args.drain_s) + 5), engine, args.drain_s)
+    server.run()
+    return 1 if engine.dead else 0
 
 
-# -- errors and authentication -----------------------------------------------------------
+# -- errors ------------------------------------------------------------------------------
 
 def add_error_handlers(app: FastAPI) -> None:
     """Every error leaves as OpenAI's `{"error": {message, type, param, code}}`."""
@@ -112,7 +195,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, e: EngineError):
-        return APIError(500, str(e), type="server_error").response()
+        return APIError(e.status, str(e), type="server_error").response()
 
 
 def describe_validation_error(err: dict) -> tuple[str | None, str]:
@@ -123,39 +206,27 @@ def describe_validation_error(err: dict) -> tuple[str | None, str]:
     return (path[0] if path else None), f"{'.'.join(path) or 'request body'}: {err['msg']}"
 
 
-def api_key_check(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
-            raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
-
-    return check
-
-
 # -- the endpoints ------------------------------------------------------------------------
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
         self.model_name = model_name
         self.created = int(time.time())
 
     async def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)])
 
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = self._make_requests(response_id, self._completion_prompts(body.prompt), body,
-                                       body.max_tokens, body.logprobs)
+        requests = await asyncio.to_thread(lambda: self._make_requests(
+            response_id, self._completion_prompts(body.prompt), body, body.max_tokens, body.logprobs, "prompt"))
         if body.stream:
             return event_stream(self._stream_completion(response_id, requests, body))
-        finals = await self._collect(requests)
+        finals = await self._collect(requests, request)
         choices = [CompletionChoice(index=i, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
                                     logprobs=None if body.logprobs is None
                                     else self._completion_logprobs(out.outputs[0], 0, 0)[0])
@@ -163,17 +234,18 @@ class OpenAIServing:
         return CompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
                                   choices=choices, usage=usage(finals, body.n))
 
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         top_n = (body.top_logprobs or 0) if body.logprobs else None
-        requests = self._make_requests(response_id, [self._chat_prompt(body.messages)], body, max_tokens, top_n)
+        requests = await asyncio.to_thread(lambda: self._make_requests(
+            response_id, [self._chat_prompt(body.messages)], body, max_tokens, top_n, "messages"))
         if body.stream:
             return event_stream(self._stream_chat(response_id, requests, body, top_n))
-        finals = await self._collect(requests)
+        finals = await self._collect(requests, request)
         choices = [ChatChoice(index=i, message=AssistantMessage(content=out.outputs[0].text),
                               finish_reason=out.outputs[0].finish_reason,
                               logprobs=None if top_n is None else self._chat_logprobs(out.outputs[0], 0, top_n))
@@ -181,19 +253,19 @@ class OpenAIServing:
         return ChatCompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
                                       choices=choices, usage=usage(finals, body.n))
 
-    # -- building engine requests --------------------------------------------------------
+    # -- building engine requests (on a worker thread: they tokenize) --------------------
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
-    def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
-        """OpenAI's prompt forms (a text, token ids, or a list of either) as token id lists."""
+    def _completion_prompts(self, prompt: str | list) -> list[str | list[int]]:
+        """OpenAI's prompt forms (a text, token ids, or a list of either) as a list of prompts."""
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
         if not prompts or any(p == "" for p in prompts):
             raise APIError(400, "prompt: empty prompt", param="prompt")
-        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+        return prompts
 
     def _chat_prompt(self, messages: list[ChatMessage]) -> list[int]:
         conversation = []
@@ -205,36 +277,61 @@ class OpenAIServing:
                 content = "".join(part.text or "" for part in content)
             conversation.append({"role": m.role, "content": content})
         try:
+            for turn in conversation:
+                check_text(turn["content"], "messages")
             return self.tokenizer.apply_chat_template(conversation)
         except (ValueError, TemplateError) as e:
-            raise APIError(400, f"messages: {e}", param="messages") from e
+            raise APIError(400, str(e) if str(e).startswith("messages:") else f"messages: {e}",
+                           param="messages") from e
 
-    def _make_requests(self, response_id: str, prompts: list[list[int]], body: SamplingFields,
-                       max_tokens: int | None, logprobs: int | None) -> list[EngineRequest]:
+    def _make_requests(self, response_id: str, prompts: list[str | list[int]], body: SamplingFields,
+                       max_tokens: int | None, logprobs: int | None, prompt_field: str) -> list[EngineRequest]:
         """`n` engine requests per prompt (seeds seed, seed+1, ...), all validated before
-        any runs. Without max_tokens a request may fill the model's context."""
+        any runs. Without max_tokens a request may fill the model's context. An error about
+        the prompt names the field that carried it (`prompt_field`)."""
         requests = []
         try:
-            for prompt, i in itertools.product(prompts, range(body.n)):
-                params = SamplingParams(
-                    max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(prompt)),
-                    seed=None if body.seed is None else body.seed + i, logprobs=logprobs, **body.sampling_kwargs())
-                requests.append(self.engine.engine.make_request(prompt, params, f"{response_id}-{len(requests)}",
-                                                                stream=bool(body.stream),
-                                                                simulate_acceptance=body.simulate_acceptance))
+            for stop in [body.stop] if isinstance(body.stop, str) else body.stop or []:
+                check_text(stop, "stop")
+            for prompt in prompts:
+                ids = self.engine.inputs.encode(prompt) if isinstance(prompt, str) else prompt
+                for i in range(body.n):
+                    params = SamplingParams(
+                        max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(ids)),
+                        seed=None if body.seed is None else body.seed + i, logprobs=logprobs, **body.sampling_kwargs())
+                    requests.append(self.engine.make_request(
+                        ids, params, f"{response_id}-{len(requests)}", stream=bool(body.stream),
+                        simulate_acceptance=body.simulate_acceptance))
         except ValueError as e:
             field = re.match(r"\w+", str(e))
-            raise APIError(400, str(e), param=field[0] if field and field[0] in type(body).model_fields else None)
+            field = field[0] if field and field[0] in type(body).model_fields else None
+            raise APIError(400, str(e), param=prompt_field if field == "prompt" else field)
         return requests
 
     # -- results -------------------------------------------------------------------------
 
-    async def _collect(self, requests: list[EngineRequest]) -> list[RequestOutput]:
+    async def _collect(self, requests: list[EngineRequest], http: Request) -> list[RequestOutput]:
+        """The requests' final outputs; if the client goes away first, they are aborted."""
         finals: list[RequestOutput] = [None] * len(requests)
-        async with aclosing(self.engine.generate(requests)) as outputs:
-            async for i, out in outputs:
-                if out.finished:
-                    finals[i] = out
+
+        async def run():
+            async with aclosing(self.engine.generate(requests)) as outputs:
+                async for i, out in outputs:
+                    if out.finished:
+                        finals[i] = out
+
+        async def disconnected():
+            while (await http.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.create_task(run()), asyncio.create_task(disconnected())
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if not work.done():  # the client left: cancelling closes the generator, which aborts the requests
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise APIError(499, "the client closed the connection")
+        work.result()
         return finals
 
     async def _stream_completion(self, response_id: str, requests: list[EngineRequest],

@@ -1,150 +1,179 @@
-"""The engine on its own thread, bridged to asyncio.
+"""The API process's side of the engine: the core runs in its own process
+(`core_process.run_core`), and this bridges it to asyncio.
 
-The event loop must never wait for a forward step, and the engine is not thread-safe, so
-one thread owns it: it applies queued additions and aborts between steps (new requests
-join the running batch at the next step) and hands each step's outputs to the loop with
-`call_soon_threadsafe`, which routes them into per-request asyncio queues.
+Requests are made here (`InputProcessor`, tokenization included, off the event loop) and
+sent to the core; the core's step outputs come back in one message per step, which a
+reader thread detokenizes (`OutputProcessor`) and hands to the loop with
+`call_soon_threadsafe`, routed into per-request asyncio queues. A sender thread writes to
+the core, so the event loop never waits on the pipe. If the core process dies, every open
+request ends with an `EngineError` and `on_death` is called (the server then exits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing as mp
 import queue
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
-from tidal.engine import LLMEngine, frozen_heap
+from tidal.config import EngineConfig
+from tidal.engine import EngineCore
+from tidal.processing import InputProcessor, OutputProcessor
 from tidal.request import Request, RequestOutput
+from tidal.server.core_process import run_core
 from tidal.server.metrics import ServerMetrics
+from tidal.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
-    """A request ended without its result: the engine failed or is shutting down."""
+    """A request ended without its result: the engine failed or the server is shutting down
+    (`status`: the HTTP status a response that has not started yet gets)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
-        self.engine = engine
+    def __init__(self, config: EngineConfig, metrics: ServerMetrics | None = None,
+                 make_core: Callable[[EngineConfig], EngineCore] = EngineCore, start_timeout: float = 3600.0):
+        """Start the core process and wait until it is ready. `make_core` builds the core in
+        that process (a module-level function: it travels by name)."""
+        self.config = config
         self.metrics = metrics or ServerMetrics()
-        self.metrics.update_stats(engine.stats())
-        self._commands: queue.SimpleQueue[tuple[str, list]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        context = mp.get_context("spawn")  # CUDA cannot be forked into a child
+        inbox_reader, self._to_core = context.Pipe(duplex=False)
+        self._from_core, outbox_writer = context.Pipe(duplex=False)
+        self.process = context.Process(target=run_core, args=(config, inbox_reader, outbox_writer, make_core),
+                                       name="tidal-engine-core", daemon=True)
+        self.process.start()
+        inbox_reader.close()
+        outbox_writer.close()
+        if not self._from_core.poll(start_timeout):
+            self.process.kill()
+            raise RuntimeError(f"the engine core did not start within {start_timeout:g} s")
+        try:
+            kind, info = self._from_core.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(f"the engine core failed to start (exit code {self.process.exitcode}); "
+                               "its error is in the log above") from None
+        self.max_model_len, self.description = info["max_model_len"], info["describe"]
+        self.metrics.update_stats(info["stats"])
+        self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.inputs = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
+                                     config.speculative_config, config.seed, self.outputs.requests.__contains__)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._listeners: dict[str, asyncio.Queue] = {}  # request id -> its consumer; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stopping = False
+        self.dead = False
+        self.on_death: Callable[[], None] | None = None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return bool(self._threads) and not self.dead and not self._stopping
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume outputs."""
+        """Start the threads that talk to the core; call from the event loop that consumes outputs."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tidal-engine", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._read, name="tidal-core-reader", daemon=True),
+                         threading.Thread(target=self._write, name="tidal-core-writer", daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     async def stop(self) -> None:
-        """Abort whatever is still running (its consumers get an EngineError) and end the thread."""
-        if self._thread is None:
+        """Fail whatever is still running, stop the core process and the threads."""
+        if self._stopping:
             return
         self._stopping = True
-        self._send("stop", [])
-        await asyncio.to_thread(self._thread.join)
+        self.fail_all(EngineError("the request was aborted: the server is shutting down", 503))
+        self._outbox.put(("stop", None))
+        await asyncio.to_thread(self.process.join, 30)
+        if self.process.is_alive():
+            self.process.kill()
+        self._outbox.put(None)  # ends the writer
+
+    def make_request(self, *args, **kwargs) -> Request:
+        """`InputProcessor.make_request` (it tokenizes: call it off the event loop)."""
+        return self.inputs.make_request(*args, **kwargs)
 
     async def generate(self, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run requests (made by engine.make_request) together and yield (position in
-        `requests`, output) as steps commit tokens, until all have finished. Closing the
-        generator early (a client went away) aborts the unfinished ones, freeing their pages."""
+        """Run requests together and yield (position in `requests`, output) as steps commit
+        their tokens, until all have finished. Closing the generator early (a client went
+        away) aborts the unfinished ones, freeing their pages."""
         if not self.is_running:
-            raise EngineError("the engine is not running")
+            raise EngineError("the engine is not running", 503)
         outputs: asyncio.Queue = asyncio.Queue()
         position = {req.request_id: i for i, req in enumerate(requests)}
-        for request_id in position:
-            self._listeners[request_id] = outputs
-        self._send("add", requests)
+        for req in requests:
+            self._listeners[req.request_id] = outputs
+            self.outputs.add(req)
+        self._outbox.put(("add", requests))
         unfinished = set(position)
         try:
             while unfinished:
                 out = await outputs.get()
                 if isinstance(out, EngineError):
-                    raise EngineError(str(out))  # a fresh one per consumer: they share the error
+                    raise EngineError(str(out), out.status)  # a fresh one per consumer: they share the error
                 if out.finished:
                     unfinished.discard(out.request_id)
                 yield position[out.request_id], out
         finally:
             for request_id in position:
                 del self._listeners[request_id]
-            if unfinished:
-                self._send("abort", list(unfinished))
+            if unfinished and not self.dead:
+                self._outbox.put(("finish", [(request_id, "abort", None) for request_id in unfinished]))
 
-    # -- the engine thread ---------------------------------------------------------------
+    def fail_all(self, error: EngineError) -> None:
+        """End every open request with `error` (loop thread)."""
+        for listener in set(self._listeners.values()):
+            listener.put_nowait(error)
 
-    def _send(self, command: str, payload: list) -> None:
-        self._commands.put((command, payload))
-        self._wake.set()
+    # -- the threads -----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            with frozen_heap():
-                while True:
-                    self._wake.clear()  # before reading commands, so that one sent meanwhile ends the wait
-                    if self._apply_commands():
-                        break
-                    if self.engine.has_unfinished():
-                        self._step()
-                    else:
-                        self.metrics.update_stats(self.engine.stats())
-                        self._wake.wait()
-            self._abort(list(self.engine.requests), "the request was aborted: the server is shutting down")
-        except Exception as e:
-            # The engine is in an unknown state: nothing it runs can be trusted to finish.
-            logger.exception("the engine thread failed")
-            self._loop.call_soon_threadsafe(self._fail, None, EngineError(f"the engine failed: {e!r}"))
-
-    def _apply_commands(self) -> bool:
-        """Apply queued additions and aborts; True once asked to stop."""
-        while True:
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
             try:
-                command, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return False
-            if command == "stop":
-                return True
-            for item in payload:
-                if command == "add":
-                    self.engine.add_request(item)
-                else:
-                    out = self.engine.abort(item)
-                    if out is not None:
-                        self.metrics.record_finished(out)
+                self._to_core.send(message)
+            except OSError:
+                return  # the core is gone; the reader says so
 
-    def _step(self) -> None:
+    def _read(self) -> None:
         try:
-            outputs = self.engine.step()
-        except Exception as e:
-            logger.exception("engine step failed; failing its requests")
-            self._abort(list(self.engine.requests), f"engine step failed: {e!r}")
+            while True:
+                kind, *payload = self._from_core.recv()
+                if kind == "outputs":
+                    outputs, stats = payload
+                    results, stopped = self.outputs.process(outputs)
+                    if stopped:
+                        self._outbox.put(("finish", [(request_id, "stop", s) for request_id, s in stopped]))
+                    for out in results:
+                        if out.finished:
+                            self.metrics.record_finished(out)
+                    if stats is not None:
+                        self.metrics.update_stats(stats)
+                    if results:
+                        self._loop.call_soon_threadsafe(self._deliver, results)
+                else:  # "failed": a step failed, and the core ended these requests
+                    request_ids, message = payload
+                    self._loop.call_soon_threadsafe(self._fail, request_ids, EngineError(message))
+        except (EOFError, OSError):
+            pass
+        if self._stopping:
             return
-        for out in outputs:
-            if out.finished:
-                self.metrics.record_finished(out)
-        self.metrics.update_stats(self.engine.stats())
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+        self.process.join(5)
+        self.dead = True
+        logger.error("the engine core process died (exit code %s)", self.process.exitcode)
+        self._loop.call_soon_threadsafe(self._die)
 
-    def _abort(self, request_ids: list[str], reason: str) -> None:
-        """Abort requests in the engine (freeing their pages) and fail their consumers."""
-        for request_id in request_ids:
-            out = self.engine.abort(request_id)
-            if out is not None:
-                self.metrics.record_finished(out)
-        self._loop.call_soon_threadsafe(self._fail, request_ids, EngineError(reason))
-
-    # -- on the event loop ---------------------------------------------------------------
+    # -- on the event loop -----------------------------------------------------------------
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -152,9 +181,14 @@ class AsyncEngine:
             if listener is not None:  # None: its consumer left and an abort is on its way
                 listener.put_nowait(out)
 
-    def _fail(self, request_ids: list[str] | None, error: EngineError) -> None:
-        """Hand `error` to the consumers of these requests (None: of all requests)."""
-        listeners = self._listeners if request_ids is None else \
-            {r: self._listeners[r] for r in request_ids if r in self._listeners}
-        for listener in set(listeners.values()):
+    def _fail(self, request_ids: list[str], error: EngineError) -> None:
+        for request_id in request_ids:
+            self.outputs.requests.pop(request_id, None)
+        for listener in {self._listeners[r] for r in request_ids if r in self._listeners}:
             listener.put_nowait(error)
+
+    def _die(self) -> None:
+        self.outputs.requests.clear()
+        self.fail_all(EngineError(f"the engine process died (exit code {self.process.exitcode})"))
+        if self.on_death is not None:
+            self.on_death()
