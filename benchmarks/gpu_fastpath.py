@@ -304,8 +304,8 @@ def phase_timing(engine):
     target's step (`launch`, of which `graph inputs` fill the graphs' buffers), the policy's
     choice and learning, committing, and waiting for the step's tokens (the device's share
     of the step, less what ran behind the host's work)."""
-    targets = [("step", engine, "step"), ("launch", engine.core.runner, "launch"),
-               ("choose", engine.core.scheduler, "_draft_lens"), ("observe", engine, "_observe_last"),
+    targets = [("step", engine.core, "step"), ("launch", engine.core.runner, "launch"),
+               ("choose", engine.core.scheduler, "_draft_lens"), ("observe", engine.core, "_observe_last"),
                ("commit", engine.core.scheduler, "commit"), ("wait", PendingStep, "result")]
     graph_sets = [engine.core.runner.graphs]
     if engine.core.proposer is not None:

@@ -7,6 +7,7 @@ the SIGTERM drain and the engine process dying.
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import socket
@@ -15,20 +16,23 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
-from openai import AsyncOpenAI, AuthenticationError, OpenAI
+from openai import APITimeoutError, AsyncOpenAI, AuthenticationError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidal import EngineConfig
+from tidal.demo import DEMO_NAME, default_model_dir, default_speculative_config
 from tidal.engine import EngineCore
 from tidal.server import AsyncEngine, build_app
 
 MODEL = "tiny-llama"
 API_KEY = "sk-tidal-test"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+GREEDY_BODY = {"temperature": 0, "ignore_eos": True}
 
 
 @contextmanager
@@ -232,6 +236,13 @@ BAD_REQUESTS = [
     ("/v1/completions", '{"prompt": "hi", ', 400, None),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", '{"prompt": "a\\udc80b"}', 400, "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"]}', 400, "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "seed": -2**63 - 1}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, 400, "messages"),
+    ("/v1/completions", {"prompt": "hi " * 600}, 400, "prompt"),
 ]
 
 
@@ -310,15 +321,118 @@ def test_goodput_metrics(checkpoint):
             "tidal_policy_explored_decisions_total"} <= set(m)
 
 
+def test_a_huge_prompt_is_refused_and_holds_nothing_up(server):
+    """A body over the limit is 413 before it is parsed; one under it, too long for the
+    context, is 400 without the tokenizer's time; /health answers meanwhile."""
+    too_big = httpx.post(f"{server}/v1/completions", content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
+                         headers={"content-type": "application/json"})
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+    latencies, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            start = time.monotonic()
+            assert httpx.get(f"{server}/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    long = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": "lorem ipsum " * 600_000},
+                      timeout=60)
+    elapsed = time.monotonic() - start
+    done.set()
+    watcher.join()
+    assert long.status_code == 400 and long.json()["error"]["param"] == "prompt", long.text
+    assert "or more, but max_model_len" in long.json()["error"]["message"]
+    assert elapsed < 5 and latencies and max(latencies) < 1.0, (elapsed, max(latencies, default=None))
+
+
+def test_a_non_streaming_request_whose_client_leaves_is_aborted(server):
+    aborted = metrics(server).get("tidal_requests_finished_total{finish_reason=abort}", 0)
+
+    def one(i):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server}/v1/completions", timeout=1.0,
+                       json={"model": MODEL, "prompt": f"Tell a long story {i}", "max_tokens": 480, "temperature": 0,
+                             "ignore_eos": True})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    m = wait_idle(server, timeout=30)
+    assert m["tidal_requests_finished_total{finish_reason=abort}"] == aborted + 20
+
+
+def test_the_engine_process_dying_fails_open_requests_and_health(checkpoint):
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256))
+    with uvicorn_thread(build_app(engine, MODEL)) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": "Die", "max_tokens": 480, "stream": True, **GREEDY_BODY}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            engine.process.kill()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and "the engine process died" in json.loads(rest[-2][6:])["error"]["message"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["error"]["type"] == "server_error"
+        refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+        assert refused.status_code == 503 and refused.json()["error"]["message"]
+
+
+def test_many_streams_with_a_quarter_of_clients_leaving():
+    """The embedded demo model (its EAGLE-3 head, goodput): 256 clients at once, a quarter of
+    them gone mid-stream or mid-request; the others get exactly their tokens, and the server
+    ends idle with every page free."""
+    engine = AsyncEngine(EngineConfig(model=default_model_dir(), device="cpu",
+                                      speculative_config=default_speculative_config()))
+
+    async def one(client, i):
+        want = 8 + i % 17
+        body = dict(model=DEMO_NAME, prompt=f"Client {i} asks about the sea.", max_tokens=want, **GREEDY)
+        if i % 8 == 0:  # leaves mid-request
+            with pytest.raises(APITimeoutError):
+                await client.with_options(timeout=0.5).completions.create(**{**body, "max_tokens": 400})
+            return None
+        leaves = i % 8 == 1  # mid-stream
+        stream = await client.completions.create(**{**body, "max_tokens": 400} if leaves else body, stream=True,
+                                                 stream_options={"include_usage": True})
+        received, usage = 0, None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            received += 1
+            if leaves and received == 2:
+                break
+        await stream.close()
+        return None if leaves else (want, usage.completion_tokens, received - 1)
+
+    async def run_all(url):
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(256)))
+
+    with uvicorn_thread(build_app(engine, DEMO_NAME)) as url:
+        results = [r for r in asyncio.run(run_all(url)) if r is not None]
+        m = wait_idle(url, timeout=60)
+    assert len(results) == 192 and all(got == want and chunks >= 1 for want, got, chunks in results)
+    assert m["tidal_num_requests_running"] == 0 and m["tidal_kv_cache_free_pages"] == m["tidal_kv_cache_pages"]
+    assert m["tidal_requests_finished_total{finish_reason=length}"] == 192
+    # Every mid-stream leaver was aborted; a client that left before its request reached the
+    # engine left nothing to abort.
+    assert 32 <= m["tidal_requests_finished_total{finish_reason=abort}"] <= 64
+
+
 # -- `tidal serve` in a subprocess: the CLI, --api-key, and the SIGTERM drain ---------------
 
-@pytest.fixture(scope="module")
-def cli_server(checkpoint):
+@contextmanager
+def tidal_serve(checkpoint, *args):
+    """`tidal serve` in a subprocess; yields (url, process) once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tidal", "serve", "--model", checkpoint("llama"), "--dtype", "float32",
-           "--port", str(port), "--api-key", API_KEY, "--served-model-name", MODEL]
+           "--port", str(port), "--served-model-name", MODEL, *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -333,10 +447,18 @@ def cli_server(checkpoint):
             proc.kill()
             pytest.fail(f"tidal serve did not start:\n{proc.stdout.read()}")
         time.sleep(0.2)
-    yield url, proc
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+    try:
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cli_server(checkpoint):
+    with tidal_serve(checkpoint, "--api-key", API_KEY) as server:
+        yield server
 
 
 def test_api_key(cli_server):
@@ -346,6 +468,10 @@ def test_api_key(cli_server):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models").status_code == 401
+    # The key is checked first: a bad body or an unknown path tells nothing without it.
+    assert httpx.post(f"{url}/v1/completions", content=b'{"prompt": ').status_code == 401
+    assert httpx.get(f"{url}/v1/nothing-here").status_code == 401
+    assert httpx.get(f"{url}/v1/nothing-here", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     good = OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
@@ -363,3 +489,32 @@ def test_sigterm_drains_running_requests(cli_server):
     rest = list(chunks)
     assert rest[-1].usage.completion_tokens == 300  # the running request finished
     assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_sigterm_ends_what_outlasts_the_drain_window_with_errors(checkpoint):
+    with tidal_serve(checkpoint, "--drain-s", "0.3") as (url, proc):
+        body = {"model": MODEL, "prompt": "Never done", "max_tokens": 480, **GREEDY_BODY}
+        waiting = {}
+        thread = threading.Thread(target=lambda: waiting.update(
+            response=httpx.post(f"{url}/v1/completions", json=body, timeout=60)))
+        thread.start()
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        thread.join()
+        assert events[-1] == "data: [DONE]"
+        assert "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+        response = waiting["response"]
+        assert response.status_code == 503 and "shutting down" in response.json()["error"]["message"]
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it drained for
+
+
+def test_the_server_exits_non_zero_when_its_engine_process_dies(checkpoint):
+    with tidal_serve(checkpoint) as (url, proc):
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        core = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(core) == 1  # the engine core (beside multiprocessing's resource tracker)
+        os.kill(int(core[0]), signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1

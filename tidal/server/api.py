@@ -304,8 +304,8 @@ class OpenAIServing:
                         simulate_acceptance=body.simulate_acceptance))
         except ValueError as e:
             field = re.match(r"\w+", str(e))
-            field = field[0] if field and field[0] in type(body).model_fields else None
-            raise APIError(400, str(e), param=prompt_field if field == "prompt" else field)
+            field = prompt_field if field and field[0] == "prompt" else field[0] if field else None
+            raise APIError(400, str(e), param=field if field in type(body).model_fields else None)
         return requests
 
     # -- results -------------------------------------------------------------------------
