@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -37,40 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tidal import LLM, SamplingParams  # noqa: E402
+from common import LLAMA_8B, SMOKE, write_eagle_dir, write_model_dir  # noqa: E402,F401
 from tidal.demo import DEMO_DIR  # noqa: E402
 from tidal.runner import PendingStep  # noqa: E402
-
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0,
-             rms_norm_eps=1e-5, tie_word_embeddings=False)
-
-
-def write_model_dir(root: Path, shape: dict) -> Path:
-    """config.json of the given shape plus the demo tokenizer (prompts are token ids)."""
-    path = root / "target"
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_DIR / "target" / name, path / name)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 0,
-              "eos_token_id": 1, "torch_dtype": "bfloat16", **shape}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def write_eagle_dir(root: Path, shape: dict) -> Path:
-    path = root / "eagle3"
-    path.mkdir(parents=True, exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "draft_vocab_size": 32000,
-              **shape, "num_hidden_layers": 1}
-    config["draft_vocab_size"] = min(32000, shape["vocab_size"])
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
 
 def random_prompts(n, length, vocab, seed=0):
     rng = random.Random(seed)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from tidal.config import SamplingParams, SimulatedAcceptance, SpecConfig
 from tidal.request import CompletionOutput, Request, RequestOutput
@@ -23,11 +23,10 @@ Prompt = str | Sequence[int]
 INT64_MAX = 2**63 - 1
 
 
-@dataclass
-class EngineOutput:
+class EngineOutput(NamedTuple):
     """What a step tells about one request: the tokens it committed since the request's
     last output (and their logprobs, if asked for), and once it has ended, why, with its
-    metrics."""
+    metrics. (A tuple: it crosses from the core's process in every step's message.)"""
 
     request_id: str
     token_ids: list[int]

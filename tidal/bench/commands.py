@@ -46,6 +46,7 @@ def add_bench_parser(sub) -> None:
     matrix.add_argument("--server-timeout", type=float, default=600.0)
     matrix.add_argument("--output-json", default=None)
     matrix.add_argument("--output-png", default=None)
+    matrix.add_argument("--server-log", default=None, help="append the servers' output to this file")
     matrix.set_defaults(func=cmd_bench_matrix)
 
 
@@ -101,7 +102,8 @@ def prepare(args: argparse.Namespace) -> tuple[list[str], list, list, dict]:
               + (f" (ignored an incomplete tail of {dataset['chars_ignored']} characters)"
                  if dataset["chars_ignored"] else ""), file=sys.stderr)
     else:
-        requests, dataset = random_requests(tokenizer, needed, args.random_input_len, args.random_output_len, args.seed)
+        requests, dataset = random_requests(tokenizer, needed, args.random_input_len, args.random_output_len, args.seed,
+                                            ModelConfig.from_pretrained(model).vocab_size)
     return modes, loads, requests, dataset
 
 
@@ -165,7 +167,8 @@ def cmd_bench_matrix(args: argparse.Namespace) -> int:
     try:
         report = run_matrix(parse_modes(args.modes), parse_workloads(args.workloads), loads, model=model,
                             spec_config=spec_config, server_args=engine_flags(engine_args),
-                            num_warmups=args.num_warmups, seed=args.seed, server_timeout=args.server_timeout)
+                            num_warmups=args.num_warmups, seed=args.seed, server_timeout=args.server_timeout,
+                            server_log=args.server_log)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

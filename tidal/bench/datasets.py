@@ -97,14 +97,15 @@ def sharegpt_requests(tokenizer: Tokenizer, num_requests: int, seed: int, path: 
 
 
 def random_requests(tokenizer: Tokenizer, num_requests: int, input_len: int, output_len: int,
-                    seed: int) -> tuple[list[BenchRequest], dict]:
-    """Prompts of `input_len` token ids drawn uniformly from the non-special vocabulary."""
+                    seed: int, model_vocab_size: int | None = None) -> tuple[list[BenchRequest], dict]:
+    """Prompts of `input_len` token ids drawn uniformly from the non-special vocabulary (of
+    the tokenizer, and of the model where its embedding has fewer rows)."""
     if input_len < 1:
         raise ValueError(f"--random-input-len must be >= 1, got {input_len}")
     if output_len < 1:
         raise ValueError(f"--random-output-len must be >= 1, got {output_len}")
     special = set(tokenizer.hf.all_special_ids)
-    vocab = [t for t in range(tokenizer.vocab_size) if t not in special]
+    vocab = [t for t in range(min(tokenizer.vocab_size, model_vocab_size or tokenizer.vocab_size)) if t not in special]
     rng = random.Random(seed)
     requests = [BenchRequest(rng.choices(vocab, k=input_len), output_len) for _ in range(num_requests)]
     return requests, {"name": "random", "input_len": input_len, "output_len": output_len}

@@ -18,6 +18,7 @@ from tidal.bench.datasets import random_requests
 from tidal.bench.report import text_table
 from tidal.bench.serve import server_process
 from tidal.bench.workload import Load, check_warm_up, mode_spec_config, summarize_run, warm_up_load
+from tidal.models.config import ModelConfig
 from tidal.tokenizer import Tokenizer
 
 
@@ -55,13 +56,13 @@ def cell_loads(concurrency: list[int], requests_per_client: float, min_requests:
 
 def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *, model: str, spec_config: dict,
                server_args: list[str] = (), num_warmups: int = 2, seed: int = 0,
-               server_timeout: float = 600.0) -> dict:
+               server_timeout: float = 600.0, server_log: str | None = None) -> dict:
     """Every mode on every workload under every load; returns the report (a JSON-able dict)."""
-    tokenizer = Tokenizer.from_pretrained(model)
+    tokenizer, vocab_size = Tokenizer.from_pretrained(model), ModelConfig.from_pretrained(model).vocab_size
     per_workload = {}  # the same prompts for every mode
     for i, w in enumerate(workloads):
         needed = num_warmups + sum(load.total_requests for load in loads)
-        requests, _ = random_requests(tokenizer, needed, w.input_len, w.output_len, seed + 1000 * i)
+        requests, _ = random_requests(tokenizer, needed, w.input_len, w.output_len, seed + 1000 * i, vocab_size)
         cuts = [num_warmups]
         for load in loads:
             cuts.append(cuts[-1] + load.total_requests)
@@ -70,7 +71,7 @@ def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *
     configs = {m: mode_spec_config(m, base) for m in modes}
     rows = []
     for mode in modes:
-        with server_process(model, configs[mode], server_args, server_timeout) as url:
+        with server_process(model, configs[mode], server_args, server_timeout, server_log) as url:
             name = served_model(url)
             for w in workloads:
                 extra = {"simulate_acceptance": w.acceptance} if configs[mode] else {}

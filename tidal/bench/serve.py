@@ -31,10 +31,10 @@ def free_port() -> int:
 
 @contextmanager
 def server_process(model: str, spec_config: dict | None, server_args: list[str] = (),
-                   timeout: float = 600.0) -> Iterator[str]:
+                   timeout: float = 600.0, log_path: str | None = None) -> Iterator[str]:
     """`tidal serve` in a subprocess on a free loopback port; yields its URL once /health
     answers, and stops it with SIGTERM on exit. Its output goes to a temporary log, whose
-    tail is in the error if it fails to start."""
+    tail is in the error if it fails to start, and is appended to `log_path` if given."""
     port = free_port()
     cmd = [sys.executable, "-m", "tidal", "serve", "--model", model, "--port", str(port), *server_args]
     if spec_config is not None:
@@ -59,6 +59,10 @@ def server_process(model: str, spec_config: dict | None, server_args: list[str] 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if log_path:
+                log.seek(0)
+                with open(log_path, "a") as out:
+                    out.write(f"$ {' '.join(cmd)}\n{log.read()}\n")
 
 
 def healthy(url: str) -> bool:

@@ -1,0 +1,50 @@
+"""Shapes and checkpoints the GPU benchmarks share: the Llama-3.1-8B shape (and a tiny one
+for CPU smoke runs) as config-only model folders, for `load_format="dummy"` (random weights).
+
+    python benchmarks/common.py DIR [smoke]   # DIR/target (8B shape, or the tiny one) and DIR/eagle3
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from tidal.demo import DEMO_DIR
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rope_theta=10000.0,
+             rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def write_model_dir(root: Path, shape: dict) -> Path:
+    """config.json of the given shape plus the demo tokenizer (prompts are token ids)."""
+    path = root / "target"
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO_DIR / "target" / name, path / name)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 0,
+              "eos_token_id": 1, "torch_dtype": "bfloat16", **shape}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def write_eagle_dir(root: Path, shape: dict) -> Path:
+    path = root / "eagle3"
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "draft_vocab_size": 32000,
+              **shape, "num_hidden_layers": 1}
+    config["draft_vocab_size"] = min(32000, shape["vocab_size"])
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+if __name__ == "__main__":
+    root, shape = Path(sys.argv[1]), SMOKE if sys.argv[2:] == ["smoke"] else LLAMA_8B
+    print(write_model_dir(root, shape), write_eagle_dir(root, shape))

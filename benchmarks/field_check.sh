@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Served the way users serve it, on one GPU (Llama-3.1-8B shape, random weights, an
+# EAGLE-3-shaped head, SIMULATED acceptance), each part with the tidal commands a user runs:
+#   http     no speculation, 512-token prompts, 192 output tokens, temperature 0.7: `tidal serve`
+#            + `tidal bench serve --base-url` at 1 and 256 clients, and `tidal bench offline` at 256
+#            (the HTTP path's cost); with OLD_TREE=DIR, the same over HTTP from that source tree too
+#   w2       W2 at 32 clients, fixed:3 and goodput, over HTTP (`tidal bench matrix`) and in-process,
+#            with goodput's decision log
+#   w3       W3 (2048-token prompts) at 256 clients, goodput over HTTP: no request may fail
+#   matrix   `tidal bench matrix` with MATRIX_ARGS
+# Usage: PARTS="http w2 w3" OUT=dir [OLD_TREE=dir] [SMOKE=1] bash benchmarks/field_check.sh
+# Logs and JSON go to a work folder, packed into $OUT/field.tgz after every part.
+set -uo pipefail
+FINAL=${OUT:-out}; mkdir -p "$FINAL"
+OUT=$(mktemp -d)
+M=$(mktemp -d)
+export PYTHONPATH=${PYTHONPATH:-.}
+tidal() { python3 -m tidal "$@"; }
+python3 benchmarks/common.py "$M" ${SMOKE:+smoke} >/dev/null
+DEVICE=$([ -n "${SMOKE:-}" ] && echo cpu || echo cuda)  # SMOKE=1: tiny shapes on the CPU, to try the script
+ENGINE=(--model "$M/target" --load-format dummy --device $DEVICE)
+HEAD="\"method\": \"eagle3\", \"model\": \"$M/eagle3\", \"num_speculative_tokens\": 4"
+W2=(--random-input-len 512 --random-output-len 192 --temperature 0.7 --num-warmups 2)
+
+serve_and_bench() {  # LABEL TREE: a server from source tree TREE (. = this one), driven at 1 and 256 clients
+  local label=$1 tree=$2 port=8177
+  if [ "$tree" = . ]; then
+    python3 -m tidal serve "${ENGINE[@]}" --no-speculation --port $port >"$OUT/server_$label.log" 2>&1 &
+  else  # an older tree's CLI may lack --load-format: give its engine the flag's value directly
+    PYTHONPATH="$tree" python3 -c "
+import sys, tidal.cli as cli, tidal.server.api as api
+kwargs = cli.engine_kwargs
+api.engine_kwargs = lambda args: {**kwargs(args), 'load_format': 'dummy'}
+sys.exit(cli.main(['serve', '--model', '$M/target', '--device', '$DEVICE', '--port', '$port']))
+" >"$OUT/server_$label.log" 2>&1 &
+  fi
+  local pid=$!
+  python3 -c "
+import time, httpx
+for _ in range(1200):
+    try:
+        if httpx.get('http://127.0.0.1:$port/health').status_code == 200: break
+    except httpx.TransportError: pass
+    time.sleep(0.5)"
+  tidal bench serve --base-url http://127.0.0.1:$port --label "$label" --model "$M/target" "${W2[@]}" \
+    --concurrency 1 --num-prompts 16 --output-json "$OUT/http_${label}_c1.json" 2>/dev/null | tail -4
+  tidal bench serve --base-url http://127.0.0.1:$port --label "$label" --model "$M/target" "${W2[@]}" \
+    --concurrency 256 --num-prompts 512 --output-json "$OUT/http_${label}_c256.json" 2>/dev/null | tail -4
+  kill -INT $pid; wait $pid
+}
+
+for part in ${PARTS:-http w2 w3}; do
+  echo "=== $part"; start=$SECONDS
+  case $part in
+    http)
+      serve_and_bench new .
+      [ -n "${OLD_TREE:-}" ] && serve_and_bench old "$OLD_TREE"
+      tidal bench offline "${ENGINE[@]}" --modes none "${W2[@]}" --concurrency 256 --num-prompts 512 \
+        --output-json "$OUT/offline_c256.json" 2>/dev/null | tail -4 ;;
+    w2)
+      spec="{$HEAD, \"simulate_acceptance\": 0.7, \"decision_log\": \"$OUT/decisions_w2.jsonl\"}"
+      tidal bench matrix "${ENGINE[@]}" --speculative-config "$spec" --workloads W2 --modes fixed:3,goodput \
+        --concurrency 32 --requests-per-client 4 --output-json "$OUT/w2_http.json" --server-log "$OUT/w2_servers.log" \
+        2>"$OUT/w2_http.log" | tail -8
+      tidal bench offline "${ENGINE[@]}" --speculative-config "$spec" --modes fixed:3,goodput "${W2[@]}" \
+        --concurrency 32 --num-prompts 128 --output-json "$OUT/w2_offline.json" 2>/dev/null | tail -8 ;;
+    w3)
+      tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.6}" \
+        --workloads W3 --modes goodput --concurrency 256 --requests-per-client 1.5 \
+        --output-json "$OUT/w3_c256.json" --server-log "$OUT/w3_server.log" 2>"$OUT/w3.log" | tail -6 ;;
+    matrix)
+      tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.7}" \
+        ${MATRIX_ARGS:-} --output-json "$OUT/matrix.json" --output-png "$OUT/matrix.png" \
+        --server-log "$OUT/matrix_servers.log" 2>"$OUT/matrix.log" ;;
+  esac
+  echo "[$part: $((SECONDS - start)) s]"
+  tar -czf "$FINAL/field.tgz" -C "$OUT" .
+done
