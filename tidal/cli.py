@@ -42,11 +42,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
+def version() -> str:
+    """The installed distribution's version (without importing the engine), or the source
+    tree's when it runs uninstalled."""
+    try:
+        return importlib.metadata.version("tidal")
+    except importlib.metadata.PackageNotFoundError:
+        import tidal
+
+        return tidal.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from tidal.bench.commands import add_bench_parser
 
     parser = argparse.ArgumentParser(prog="tidal", description="LLM serving with load-adaptive speculative decoding")
-    parser.add_argument("--version", action="version", version=f"tidal {importlib.metadata.version('tidal')}")
+    parser.add_argument("--version", action="version", version=f"tidal {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts given on the command line")
     add_engine_args(gen)
