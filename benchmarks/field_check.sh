@@ -7,6 +7,8 @@
 #   w2       W2 at 32 clients, fixed:3 and goodput, over HTTP (`tidal bench matrix`) and in-process,
 #            with goodput's decision log
 #   w3       W3 (2048-token prompts) at 256 clients, goodput over HTTP: no request may fail
+#   b1       batch-1 sampled decode, plain and EAGLE-3 K = 4 (benchmarks/sampled_b1.py), this tree
+#            and OLD_TREE
 #   matrix   `tidal bench matrix` with MATRIX_ARGS
 # Usage: PARTS="http w2 w3" OUT=dir [OLD_TREE=dir] [SMOKE=1] bash benchmarks/field_check.sh
 # Logs and JSON go to a work folder, packed into $OUT/field.tgz after every part.
@@ -43,7 +45,7 @@ for _ in range(1200):
     except httpx.TransportError: pass
     time.sleep(0.5)"
   tidal bench serve --base-url http://127.0.0.1:$port --label "$label" --model "$M/target" "${W2[@]}" \
-    --concurrency 1 --num-prompts 16 --output-json "$OUT/http_${label}_c1.json" 2>/dev/null | tail -4
+    --concurrency 1 --num-prompts 8 --output-json "$OUT/http_${label}_c1.json" 2>/dev/null | tail -4
   tidal bench serve --base-url http://127.0.0.1:$port --label "$label" --model "$M/target" "${W2[@]}" \
     --concurrency 256 --num-prompts 512 --output-json "$OUT/http_${label}_c256.json" 2>/dev/null | tail -4
   kill -INT $pid; wait $pid
@@ -68,6 +70,10 @@ for part in ${PARTS:-http w2 w3}; do
       tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.6}" \
         --workloads W3 --modes goodput --concurrency 256 --requests-per-client 1.5 \
         --output-json "$OUT/w3_c256.json" --server-log "$OUT/w3_server.log" 2>"$OUT/w3.log" | tail -6 ;;
+    b1)
+      PYTHONPATH=$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py 2>"$OUT/b1_new.log" | tee "$OUT/b1_new.json"
+      [ -n "${OLD_TREE:-}" ] && PYTHONPATH=/tmp/site:$OLD_TREE:benchmarks python3 benchmarks/sampled_b1.py \
+        2>"$OUT/b1_old.log" | tee "$OUT/b1_old.json" ;;
     matrix)
       tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.7}" \
         ${MATRIX_ARGS:-} --output-json "$OUT/matrix.json" --output-png "$OUT/matrix.png" \

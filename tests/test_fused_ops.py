@@ -141,8 +141,8 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
     weights = (torch.rand(n, vocab + 7) ** 4)[:, :vocab]
     weights[:, ::3] = 0.0
     seeds, counters = torch.arange(n) * 7919 + 2**40, torch.arange(n) + 3
-    expected = sampler.sample_from_probs(weights, seeds, counters, sampler.STREAM_DRAFT)
-    keys = sampler._row_keys(seeds, counters, sampler.STREAM_DRAFT)
+    expected = sampler.sample_from_probs(weights, seeds, counters, sampler.STREAM_ACCEPT)
+    keys = sampler._row_keys(seeds, counters, sampler.STREAM_ACCEPT)
     assert fused.race_sample(weights, keys).tolist() == expected.tolist()
     assert all(weights[i, t] > 0 for i, t in enumerate(expected.tolist()))
 
@@ -156,7 +156,7 @@ def test_row_keys_are_the_samplers(unit):
     seeds = torch.tensor([0, 1, 2**40 + 7, 2**63 - 1, 123456789])
     counters = torch.tensor([0, 5, 2**33 + 1, 17, 999])
     want = sampler.hash_uniform if unit else sampler._row_keys
-    for stream in (sampler.STREAM_SAMPLE, sampler.STREAM_ACCEPT, sampler.STREAM_DRAFT):
+    for stream in (sampler.STREAM_SAMPLE, sampler.STREAM_ACCEPT, 7):
         key = sampler._stream_key(stream)
         assert torch.equal(fused.row_keys(seeds, counters, key, unit), want(seeds, counters, stream))
         grid = counters.unsqueeze(1) + torch.arange(4)
@@ -207,8 +207,8 @@ def test_top_p_search_keeps_what_sorting_keeps(vocab):
 
 
 @pytest.mark.parametrize("simulate", [None, 0.6])
-def test_greedy_accept_commits_what_verify_commits(simulate):
-    """`fused.greedy_accept` takes what `verify`'s greedy rows take: drafts equal to the
+def test_accept_matching_commits_what_verify_commits(simulate):
+    """`fused.accept_matching` takes what `verify`'s greedy rows take: drafts equal to the
     target's argmax (or, simulating, drawing under the rate) up to each row's draft length,
     then the argmax after them; rows of every length 0..K, on column-major drafts."""
     from dataclasses import replace
@@ -229,10 +229,10 @@ def test_greedy_accept_commits_what_verify_commits(simulate):
     counters = torch.arange(B) * 7
     if simulate is not None:
         st = replace(st, simulated=torch.full((B, K), simulate))
-    want_tokens, want_accept = verify(logits, drafts, None, lens, st, counters)
+    want_tokens, want_accept = verify(logits, drafts, lens, st, counters)
     u = None if simulate is None else hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + torch.arange(K),
                                                    STREAM_ACCEPT) / simulate
-    tokens, accept = fused.greedy_accept(best, drafts, lens, u)
+    tokens, accept = fused.accept_matching(best, drafts, lens, u)
     assert accept.tolist() == want_accept.tolist()
     assert len(set(accept.tolist())) >= 4  # short and long prefixes both occur
     assert [t[:n] for t, n in zip(tokens.tolist(), accept)] == [t[:n] for t, n in zip(want_tokens.tolist(), accept)]

@@ -203,8 +203,7 @@ def test_no_host_sync_on_cuda():
         st.repeat_rows([1, 2])
         sample(logits[:, 0], st, counters)
         compute_logprobs(logits[:, 0], counters, 3)
-        verify(logits, drafts, None, lens, st, counters)
-        verify(logits, drafts, torch.softmax(logits[:, :2], -1), lens, st, counters)
-        verify(logits, drafts, None, lens, SamplingTensors.build(params, [1, 2], "cuda", [[0.5] * 2] * 2), counters)
+        verify(logits, drafts, lens, st, counters)
+        verify(logits, drafts, lens, SamplingTensors.build(params, [1, 2], "cuda", [[0.5] * 2] * 2), counters)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -17,8 +17,8 @@ from checkpoints import make_eagle3_checkpoint
 from stats import homogeneity_pvalue
 from tidal import LLM, SamplingParams
 from tidal.spec.policy import Choice, NoFeedback
+import tidal.spec.verify as verify_module
 from tidal.spec.verify import verify as real_verify
-from tidal.step import Drafts
 
 NEW_TOKENS = 28
 
@@ -179,23 +179,29 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     assert outputs[True] == outputs[False] == [probe[0][:9], probe[1][:13], probe[2]]
 
     seen = {"verify": [], "draft": [], "true": []}
-    sample_draft, commit = llm.engine.core.proposer._sample, llm.engine.core.scheduler.commit
+    proposer = llm.engine.core.proposer
+    propose, sample_draft, commit = proposer.propose, proposer._sample, llm.engine.core.scheduler.commit
 
-    def verify(logits, tokens, probs, ks, st, counters, **kwargs):
+    def verify(logits, tokens, ks, st, counters):
         seen["verify"].append(counters.tolist())
-        return real_verify(logits, tokens, probs, ks, st, counters, **kwargs)
+        return real_verify(logits, tokens, ks, st, counters)
 
-    def drafting_sample(logits, st, counters, probs, rows, j):
-        if j == 0:
+    def proposing(plan, rows, ahead=None):
+        seen["first draft"] = True
+        return propose(plan, rows, ahead)
+
+    def drafting_sample(logits, st, counters):
+        if seen.pop("first draft", False):
             seen["draft"].append(counters.tolist())
-        return sample_draft(logits, st, counters, probs, rows, j)
+        return sample_draft(logits, st, counters)
 
     def committing(plan, result, in_flight=None):
         seen["true"].append((plan.draft_lens[:], [r.num_output_tokens for r in plan.requests]))
         return commit(plan, result, in_flight)
 
     monkeypatch.setattr(tidal.runner, "verify", verify)
-    monkeypatch.setattr(llm.engine.core.proposer, "_sample", drafting_sample)
+    monkeypatch.setattr(proposer, "_sample", drafting_sample)
+    monkeypatch.setattr(proposer, "propose", proposing)
     monkeypatch.setattr(llm.engine.core.scheduler, "commit", committing)
     sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in range(3)]
     run(llm, prompts[:3], sampled)
@@ -320,18 +326,18 @@ def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monk
     assert homogeneity_pvalue(target, drafted) > ALPHA, (target, drafted)
 
     # Control: a verifier that accepts every draft samples the drafter's distribution.
-    def accept_all(logits, tokens, probs, ks, st, counters):
-        return real_verify(logits, tokens, probs, ks, replace(st, simulated=torch.ones(tokens.shape)), counters)
+    def accept_all(logits, tokens, ks, st, counters):
+        return real_verify(logits, tokens, ks, replace(st, simulated=torch.ones(tokens.shape)), counters)
 
     monkeypatch.setattr(tidal.runner, "verify", accept_all)
     wrong = continuation_counts(spec)
     assert homogeneity_pvalue(target, wrong) < ALPHA
 
 
-def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_misplaced_draft_probs(models):
+def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_shared_noise(models, monkeypatch):
     """Rows drafting different K (0 included) in one step, sampled: outputs are distributed
-    as the target's. Controls: verifying the same drafts against another row's, or another
-    position's, draft distribution must be caught."""
+    as the target's. Control: a verifier whose draws ignore the request's seed (the rows of
+    a step raced against the same noise) must be caught."""
     shape = dict(n=3000, top_k=2, max_tokens=5)
     target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256), **shape)
     spec = LLM(model=models["target"], page_size=4, max_num_seqs=256,
@@ -339,14 +345,10 @@ def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_misplace
     spec.engine.core.scheduler.policy = RandomPolicy(seed=3)
     assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) > ALPHA
     assert spec.engine.stats()["spec"]["acceptance_per_position"][1] > 0, "want rows verifying 2+ drafts"
-    propose = spec.engine.core.proposer.propose
-    for misplace in (lambda probs: probs.roll(1, 0), lambda probs: probs.roll(1, 1)):
-        def misplaced(plan, rows, ahead=None, misplace=misplace):
-            drafts = propose(plan, rows, ahead)
-            return Drafts(drafts.tokens, drafts.lens, misplace(drafts.probs))
-
-        spec.engine.core.proposer.propose = misplaced
-        assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) < ALPHA
+    draw = verify_module.sample_from_probs
+    monkeypatch.setattr(verify_module, "sample_from_probs",
+                        lambda p, seeds, counters, stream: draw(p, seeds * 0, counters, stream))
+    assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) < ALPHA
 
 
 def test_bad_speculative_configs(models, tmp_path):

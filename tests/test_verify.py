@@ -5,7 +5,7 @@ import torch
 
 import tidal.spec.verify as verify_module
 from tidal.config import SamplingParams, SimulatedAcceptance
-from tidal.layers.sampler import SamplingTensors, processed_probs, sample
+from tidal.layers.sampler import STREAM_SAMPLE, SamplingTensors, processed_probs, sample, sample_from_probs
 from tidal.spec.verify import verify
 from stats import chi_square_pvalue
 
@@ -32,12 +32,12 @@ def test_greedy_by_hand():
         [5, 9, 7],  # K = 2, second rejected -> 5 then correction 6
     ])
     lens = torch.tensor([3, 3, 0, 2])
-    tokens, accept = verify(logits, drafts, None, lens, greedy_st(4), torch.zeros(4, dtype=torch.int64))
+    tokens, accept = verify(logits, drafts, lens, greedy_st(4), torch.zeros(4, dtype=torch.int64))
     assert accept.tolist() == [4, 1, 1, 2]
     committed = [tokens[i, :a].tolist() for i, a in enumerate(accept.tolist())]
     assert committed == [[1, 2, 3, 4], [1], [7], [5, 6]]
     # padding past K_i is ignored even when it matches the target
-    tokens, accept = verify(logits[3:], torch.tensor([[5, 6, 7]]), None, torch.tensor([1]), greedy_st(1),
+    tokens, accept = verify(logits[3:], torch.tensor([[5, 6, 7]]), torch.tensor([1]), greedy_st(1),
                             torch.zeros(1, dtype=torch.int64))
     assert accept.tolist() == [2] and tokens[0, :2].tolist() == [5, 6]
 
@@ -51,14 +51,13 @@ def test_greedy_rows_in_a_sampling_batch_match_greedy_path():
     drafts[2, 2] = (drafts[2, 2] + 1) % V
     lens = torch.tensor([3, 3, 3, 2, 0, 1])
     counters = torch.zeros(B, dtype=torch.int64)
-    expected, expected_accept = verify(logits, drafts, None, lens, greedy_st(B), counters)
+    expected, expected_accept = verify(logits, drafts, lens, greedy_st(B), counters)
     params = [SamplingParams(temperature=0)] * (B - 1) + [SamplingParams(top_p=0.5)]
     mixed = SamplingTensors.build(params, list(range(B)), "cpu")
-    for draft_probs in (None, torch.softmax(torch.randn(B, W - 1, V), -1)):
-        tokens, accept = verify(logits, drafts, draft_probs, lens, mixed, counters)
-        assert torch.equal(accept[:-1], expected_accept[:-1])
-        for i in range(B - 1):
-            assert torch.equal(tokens[i, :accept[i]], expected[i, :accept[i]])
+    tokens, accept = verify(logits, drafts, lens, mixed, counters)
+    assert torch.equal(accept[:-1], expected_accept[:-1])
+    for i in range(B - 1):
+        assert torch.equal(tokens[i, :accept[i]], expected[i, :accept[i]])
 
 
 def test_no_drafts_is_plain_sampling():
@@ -68,7 +67,7 @@ def test_no_drafts_is_plain_sampling():
     params = [SamplingParams(temperature=0.9, top_k=10), SamplingParams(min_p=0.1), SamplingParams(temperature=0)] * 21
     st = SamplingTensors.build(params + [SamplingParams()], list(range(B)), "cpu")
     counters = torch.arange(B) * 3
-    tokens, accept = verify(logits, torch.zeros(B, 0, dtype=torch.int64), None, torch.zeros(B, dtype=torch.int64),
+    tokens, accept = verify(logits, torch.zeros(B, 0, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                             st, counters)
     assert tokens.shape == (B, 1) and (accept == 1).all()
     assert torch.equal(tokens[:, 0], sample(logits[:, 0], st, counters))
@@ -80,13 +79,10 @@ def test_accept_lens_stay_in_range():
     logits = torch.randn(B, W, V)
     lens = torch.randint(0, W, (B,))
     drafts = torch.randint(0, V, (B, W - 1))
-    q = torch.softmax(torch.randn(B, W - 1, V), -1)
-    st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu")
-    for draft_probs in (None, q):
-        for sim in (None, [[0.7] * (W - 1)] * B):
-            st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu", sim)
-            _, accept = verify(logits, drafts, draft_probs, lens, st, torch.zeros(B, dtype=torch.int64))
-            assert ((accept >= 1) & (accept <= lens + 1)).all()
+    for sim in (None, [[0.7] * (W - 1)] * B):
+        st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu", sim)
+        _, accept = verify(logits, drafts, lens, st, torch.zeros(B, dtype=torch.int64))
+        assert ((accept >= 1) & (accept <= lens + 1)).all()
 
 
 # --- sampling losslessness -------------------------------------------------------------
@@ -111,24 +107,24 @@ Q = torch.tensor([
 START = 0  # the last committed token
 
 
-def spec_step(prev, seeds, counters, params, K=2, stochastic_draft=True, simulate=None):
-    """One speculative step after token `prev` [n]: draft K tokens from Q (or take Q's
-    argmax, a deterministic draft), score them with T, verify."""
+def spec_step(prev, seeds, counters, params, K=2, draft="coupled", simulate=None):
+    """One speculative step after token `prev` [n]: draft K tokens from Q (raced against the
+    target's own noise, as tidal's drafters do; or with noise of their own; or Q's argmax),
+    score them with T, verify."""
     n = prev.shape[0]
     gen = torch.Generator().manual_seed(int(counters[0]) + 99)
-    inputs, q = [prev], []
-    for _ in range(K):
+    st = SamplingTensors.build(params, seeds, "cpu", None if simulate is None else [[simulate] * K] * n)
+    inputs = [prev]
+    for j in range(K):
         dist = Q[inputs[-1]]
-        q.append(dist)
-        if stochastic_draft:
+        if draft == "coupled":
+            inputs.append(sample_from_probs(dist, st.seeds, counters + j, STREAM_SAMPLE))
+        elif draft == "independent":
             inputs.append(torch.multinomial(dist, 1, generator=gen).squeeze(1))
         else:
             inputs.append(dist.argmax(-1))
     logits = torch.log(T[torch.stack(inputs, 1)])  # [n, K + 1, V]
-    drafts = torch.stack(inputs[1:], 1)
-    draft_probs = torch.stack(q, 1) if stochastic_draft else None
-    st = SamplingTensors.build(params, seeds, "cpu", None if simulate is None else [[simulate] * K] * n)
-    return verify(logits, drafts, draft_probs, torch.full((n,), K), st, counters)
+    return verify(logits, torch.stack(inputs[1:], 1), torch.full((n,), K), st, counters)
 
 
 def first_two_tokens(params=None, **kwargs):
@@ -151,18 +147,32 @@ def joint_counts(first, second):
 TARGET_JOINT = T[START].unsqueeze(1) * T  # P(first, second)
 
 
-@pytest.mark.parametrize("stochastic_draft", [True, False])
-def test_speculative_sampling_is_lossless(stochastic_draft):
-    first, second = first_two_tokens(stochastic_draft=stochastic_draft)
+@pytest.mark.parametrize("draft", ["coupled", "independent", "argmax"])
+def test_speculative_sampling_is_lossless(draft):
+    first, second = first_two_tokens(draft=draft)
     assert chi_square_pvalue(torch.bincount(first, minlength=V), T[START]) > ALPHA
     assert chi_square_pvalue(joint_counts(first, second), TARGET_JOINT) > ALPHA
 
 
-def test_control_resampling_from_p_is_detected(monkeypatch):
-    """A verifier that resamples from p instead of max(p - q, 0) must fail the same test."""
-    monkeypatch.setattr(verify_module, "_residual", lambda p, *args: p)
+def test_coupled_drafts_are_accepted_more_often_than_independent_ones():
+    """Racing the draft against the target's noise is what makes it accepted: more often
+    than a draft with noise of its own, at most 1 - TV(p, q) (the best any rule can do)."""
+    params, seeds, prev = [SamplingParams(temperature=1.0)] * N, list(range(N)), torch.full((N,), START)
+    rates = {}
+    for draft in ("coupled", "independent"):
+        _, accept = spec_step(prev, seeds, torch.zeros(N, dtype=torch.int64), params, K=1, draft=draft)
+        rates[draft] = (accept == 2).double().mean().item()
+    best = torch.minimum(T[START], Q[START]).sum().item()
+    assert rates["independent"] == pytest.approx((T[START] * Q[START]).sum().item(), abs=0.01)
+    assert rates["independent"] + 0.05 < rates["coupled"] <= best + 0.01
+
+
+def test_control_noise_that_ignores_the_position_is_detected(monkeypatch):
+    """Every position drawing with the same noise correlates a step's tokens: the joint
+    test must see it."""
+    monkeypatch.setattr(verify_module, "sample_from_probs",
+                        lambda p, seeds, counters, stream: sample_from_probs(p, seeds, counters * 0, stream))
     first, second = first_two_tokens()
-    assert chi_square_pvalue(torch.bincount(first, minlength=V), T[START]) < ALPHA
     assert chi_square_pvalue(joint_counts(first, second), TARGET_JOINT) < ALPHA
 
 
@@ -191,7 +201,7 @@ def test_simulated_acceptance_length_and_tokens():
     logits = torch.randn(1, K + 1, 50).expand(B, K + 1, 50)
     drafts = torch.randint(0, 50, (B, K))
     st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu", [rates] * B)
-    tokens, accept = verify(logits, drafts, None, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64))
+    tokens, accept = verify(logits, drafts, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64))
     accepted = (accept - 1).double()
     expected = sum(math.prod(rates[:j]) for j in range(1, K + 1))
     assert abs(accepted.mean().item() - expected) < 4 * accepted.std().item() / B ** 0.5
@@ -202,7 +212,7 @@ def test_simulated_acceptance_length_and_tokens():
     # the rates also hold for sampling rows and ragged draft lengths
     lens = torch.randint(0, K + 1, (B,))
     st = SamplingTensors.build([SamplingParams()] * B, list(range(B)), "cpu", [rates] * B)
-    _, accept = verify(logits, drafts, None, lens, st, torch.zeros(B, dtype=torch.int64))
+    _, accept = verify(logits, drafts, lens, st, torch.zeros(B, dtype=torch.int64))
     expected = sum(sum(math.prod(rates[:j]) for j in range(1, k + 1)) for k in range(K + 1)) / (K + 1)
     assert abs((accept - 1).double().mean().item() - expected) < 0.03
 

@@ -113,6 +113,7 @@ class _Output:
     """What the front keeps of a request it is serving."""
 
     request: Request
+    prompt_ids: list[int]
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -126,7 +127,7 @@ class OutputProcessor:
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = _Output(
-            req, IncrementalDetokenizer(self.tokenizer, req.token_ids, req.params.stop,
+            req, req.token_ids[:req.num_prompt_tokens], IncrementalDetokenizer(self.tokenizer, req.token_ids, req.params.stop,
                                         req.params.include_stop_str_in_output),
             logprobs=[] if req.params.logprobs is not None else None,
             every_step=req.stream or bool(req.params.stop))
@@ -158,7 +159,7 @@ class OutputProcessor:
             elif not state.every_step:
                 continue
             results.append(RequestOutput(
-                out.request_id, state.request.prompt, state.request.token_ids[:state.request.num_prompt_tokens],
+                out.request_id, state.request.prompt, state.prompt_ids,
                 [CompletionOutput(0, detok.released_text, delta, list(state.token_ids), out.finish_reason,
                                   out.stop_reason, state.logprobs)],
                 finished, out.metrics or {}))

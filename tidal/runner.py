@@ -224,10 +224,9 @@ class ModelRunner:
                 out = step.tokens
             else:
                 tokens = drafts.tokens[:, :width - 1]
-                probs = None if drafts.probs is None else drafts.probs[:, :width - 1]
                 if len(subset):
-                    tokens, probs = tokens[subset], None if probs is None else probs[subset]
-                step.tokens, step.accepted = verify(logits, tokens, probs, ks, st, counters)
+                    tokens = tokens[subset]
+                step.tokens, step.accepted = verify(logits, tokens, ks, st, counters)
                 step.rejected = ks + 1 - step.accepted
                 out = torch.cat([step.tokens, step.accepted[:, None]], dim=1)
             wanted = [r.params.logprobs for r in sampled]

@@ -61,7 +61,6 @@ class Drafts:
 
     tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
     lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
-    probs: torch.Tensor | None = None  # [B, Kmax, V] the drafter's distributions; None for a deterministic one
 
 
 @dataclass

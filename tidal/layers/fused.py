@@ -492,11 +492,11 @@ def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tens
 
 
 @triton.jit
-def _greedy_accept_kernel(best_ptr, drafts_ptr, lens_ptr, u_ptr, tokens_ptr, accept_ptr, sb0, sb1, sd0, sd1, su0,
+def _accept_matching_kernel(best_ptr, drafts_ptr, lens_ptr, u_ptr, tokens_ptr, accept_ptr, sb0, sb1, sd0, sd1, su0,
                           su1, K, W, SIMULATE: tl.constexpr, BLOCK: tl.constexpr):
-    """Row program: the accepted prefix of the drafts (each equal to the target's argmax
-    before it or, with SIMULATE, each drawing u < 1, up to the row's draft length), then
-    the argmax after it."""
+    """Row program: the accepted prefix of the drafts (each equal to the target's token
+    at its position or, with SIMULATE, each drawing u < 1, up to the row's draft length),
+    then the target's token after it."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK)
     drafted = j < K
@@ -513,19 +513,19 @@ def _greedy_accept_kernel(best_ptr, drafts_ptr, lens_ptr, u_ptr, tokens_ptr, acc
     tl.store(accept_ptr + row, accepted + 1)
 
 
-def greedy_accept(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor,
-                  u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify.verify` for greedy rows in one kernel: the target's argmax best [B, W], the
-    drafts [B, W - 1], their lengths [B] and, when simulating acceptance, the uniforms over
-    each draft's acceptance rate [B, W - 1] (draft j accepted if u < 1). Returns token_ids
-    [B, W] (zero past the one after the accepted prefix) and accept_lens [B]. The torch
-    version is a dozen kernels."""
+def accept_matching(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor,
+                    u: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify.verify`'s acceptance in one kernel: the target's tokens best [B, W] (its
+    draws, or argmax), the drafts [B, W - 1], their lengths [B] and, when simulating
+    acceptance, the uniforms over each draft's acceptance rate [B, W - 1] (draft j accepted
+    if u < 1). Returns token_ids [B, W] (zero past the one after the accepted prefix) and
+    accept_lens [B]. The torch version is a dozen kernels."""
     b, w = best.shape
     tokens = torch.empty(b, w, dtype=torch.int64, device=best.device)
     accept = torch.empty(b, dtype=torch.int64, device=best.device)
     if b:
         u_strides = (0, 0) if u is None else u.stride()
-        _greedy_accept_kernel[(b,)](best, drafts, draft_lens.contiguous(), drafts if u is None else u, tokens, accept,
+        _accept_matching_kernel[(b,)](best, drafts, draft_lens.contiguous(), drafts if u is None else u, tokens, accept,
                                     *best.stride(), *drafts.stride(), *u_strides, w - 1, w,
                                     SIMULATE=u is not None, BLOCK=triton.next_power_of_2(w))
     return tokens, accept

@@ -21,7 +21,6 @@ from tidal.config import SamplingParams
 
 STREAM_SAMPLE = 0   # token sampling (plain decode, and the resample/bonus token of verification)
 STREAM_ACCEPT = 1   # accept/reject tests of speculative verification
-STREAM_DRAFT = 2    # free for a proposer that samples its drafts with this RNG
 
 # From this many rows on, CUDA finds the top-p threshold by `fused.top_p_threshold`'s search
 # rather than a sort of the vocabulary: on an H200 the sort wins at 16 rows (0.5 against 1.0

@@ -57,9 +57,6 @@ class Eagle3Proposer(ChainDrafter):
     def state_width(self, catching_up):
         return self.runner.aux_cache.shape[1] if catching_up else self.config.model.hidden_size
 
-    def scatter(self, probs, rows, j, q):
-        probs[rows[:, None], j, self.draft_ids[None, :]] = q
-
     def absorbed(self, req, k, pending):
         # Draft positions were built from the head's own states, not the target's.
         return req.num_tokens + pending - 1

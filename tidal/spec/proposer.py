@@ -3,8 +3,9 @@
 `propose` is called only in steps where some request has K_i > 0, and only for those
 rows. It returns `Drafts`: at most K_i tokens per row, on the device (fewer when it has
 nothing to say: the pages reserved for the rest go back at commit if the row drafted any,
-and otherwise stay for the request's next tokens), and the drafter's distributions
-[B, Kmax, V] if it sampled them, or None for a deterministic drafter.
+and otherwise stay for the request's next tokens). A sampling drafter draws each draft
+with the noise the target's own draw at that position uses (`verify`), so no draft
+distribution needs to reach verification.
 
 A proposer with a KV cache of its own records in `request.num_absorbed` how many of the
 request's tokens that cache holds, and catches up over the ones it missed (K = 0 steps)
@@ -23,7 +24,7 @@ import torch
 
 from tidal.batch import ForwardBatch, to_device, with_device_tails
 from tidal.graphs import CudaGraphs
-from tidal.layers.sampler import STREAM_DRAFT, greedy_tokens, processed_probs, sample_from_probs
+from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, processed_probs, sample_from_probs
 from tidal.step import Ahead, Drafts, StepPlan
 
 
@@ -104,9 +105,6 @@ class ChainDrafter(ABC):
         width = self.state_width(catching_up)
         return torch.zeros(num_tokens, width, dtype=self.runner.dtype, device=self.runner.device) if width else None
 
-    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
-        return ids if self.draft_ids is None else self.draft_ids[ids]
-
     @torch.inference_mode()
     def warmup(self) -> None:
         """Compile the drafter's Triton kernels for eager catch-up shapes, then capture its
@@ -144,9 +142,6 @@ class ChainDrafter(ABC):
         greedy_tokens(logits, self.draft_ids, out=self.drafted[0, :batch.num_seqs])
         return logits, out
 
-    def scatter(self, probs: torch.Tensor, rows: torch.Tensor, j: int, q: torch.Tensor) -> None:
-        probs[rows, j] = q
-
     @abstractmethod
     def absorbed(self, req, k: int, pending: int) -> int:
         """Tokens of req whose drafter KV stays trustworthy after drafting k (with `pending`
@@ -170,7 +165,6 @@ class ChainDrafter(ABC):
         if ahead and ahead.rejected is not None:
             rejected = ahead.rejected if len(rows) == len(plan.requests) else ahead.rejected[rows_t]
             counters = counters - rejected
-        probs = None if st.all_greedy else torch.zeros(len(plan.requests), max(ks), self.vocab_size, device=device)
         pages, num_rows = [r.pages for r in reqs], len(reqs)
 
         # A commit still to come may have raised num_absorbed past num_computed, which is
@@ -186,7 +180,7 @@ class ChainDrafter(ABC):
         logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state, input_ids, rejected)
         if not st.all_greedy:
             tokens = torch.zeros(num_rows, max(ks), dtype=torch.int64, device=device)
-            tokens[:, 0] = self._sample(logits, st, counters, probs, rows_t, 0)
+            tokens[:, 0] = self._sample(logits, st, counters)
         if limits:
             self.limits.copy_(limits_t)
             if rejected is not None:
@@ -197,7 +191,7 @@ class ChainDrafter(ABC):
             else:
                 for j in range(1, max(ks)):
                     self.drafted[0, :num_rows] = tokens[:, j - 1]
-                    tokens[:, j] = self._sample(chain(1), st, counters + j, probs, rows_t, j)
+                    tokens[:, j] = self._sample(chain(1), st, counters + j)
         if st.all_greedy:
             tokens = self.drafted[:max(ks), :num_rows].t().contiguous()
         for r, k, n in zip(reqs, ks, pending):
@@ -208,7 +202,7 @@ class ChainDrafter(ABC):
         if len(rows) < len(plan.requests):
             tokens = torch.zeros(len(plan.requests), max(ks), dtype=torch.int64, device=device).index_copy_(
                 0, rows_t, tokens)
-        return Drafts(tokens, lens, probs)
+        return Drafts(tokens, lens)
 
     def _absorb(self, reqs, starts: list[int], ends: list[int]) -> list[int]:
         """Absorb all but the last `tail` positions of every row's catch-up in forwards of at
@@ -286,7 +280,11 @@ class ChainDrafter(ABC):
             greedy_tokens(logits, self.draft_ids, out=self.drafted[j, :n])
         return logits
 
-    def _sample(self, logits, st, counters, probs, rows, j) -> torch.Tensor:
+    def _sample(self, logits, st, counters) -> torch.Tensor:
+        """Each row's draft at output index `counters`, raced against the noise the target's
+        own draw there uses (`verify`), over the target's vocabulary: where the two
+        distributions agree, so do the two tokens."""
         q = processed_probs(logits, st)
-        self.scatter(probs, rows, j, q)
-        return self.to_target(sample_from_probs(q, st.seeds, counters, STREAM_DRAFT))
+        if self.draft_ids is not None:
+            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.draft_ids, q)
+        return sample_from_probs(q, st.seeds, counters, STREAM_SAMPLE)
