@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from tidal.demo import DEMO_DIR
+DEMO_DIR = Path(__file__).resolve().parents[1] / "tidal" / "demo_pair"  # this tree's, whichever tidal runs
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,

@@ -29,7 +29,7 @@ serve_and_bench() {  # LABEL TREE: a server from source tree TREE (. = this one)
   if [ "$tree" = . ]; then
     python3 -m tidal serve "${ENGINE[@]}" --no-speculation --port $port >"$OUT/server_$label.log" 2>&1 &
   else  # an older tree's CLI may lack --load-format: give its engine the flag's value directly
-    PYTHONPATH="$tree" python3 -c "
+    PYTHONPATH="$tree:$PYTHONPATH" python3 -c "
 import sys, tidal.cli as cli, tidal.server.api as api
 kwargs = cli.engine_kwargs
 api.engine_kwargs = lambda args: {**kwargs(args), 'load_format': 'dummy'}
@@ -38,12 +38,14 @@ sys.exit(cli.main(['serve', '--model', '$M/target', '--device', '$DEVICE', '--po
   fi
   local pid=$!
   python3 -c "
-import time, httpx
+import sys, time, httpx
 for _ in range(1200):
     try:
         if httpx.get('http://127.0.0.1:$port/health').status_code == 200: break
     except httpx.TransportError: pass
-    time.sleep(0.5)"
+    if open('/proc/$pid/stat').read().split()[2] == 'Z':  # exited (and not yet reaped)
+        sys.exit('the server exited; its log: $OUT/server_$label.log')
+    time.sleep(0.5)" || return 1
   tidal bench serve --base-url http://127.0.0.1:$port --label "$label" --model "$M/target" "${W2[@]}" \
     --concurrency 1 --num-prompts 8 --output-json "$OUT/http_${label}_c1.json" 2>/dev/null | tail -4
   tidal bench serve --base-url http://127.0.0.1:$port --label "$label" --model "$M/target" "${W2[@]}" \
@@ -72,7 +74,7 @@ for part in ${PARTS:-http w2 w3}; do
         --output-json "$OUT/w3_c256.json" --server-log "$OUT/w3_server.log" 2>"$OUT/w3.log" | tail -6 ;;
     b1)
       PYTHONPATH=$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py 2>"$OUT/b1_new.log" | tee "$OUT/b1_new.json"
-      [ -n "${OLD_TREE:-}" ] && PYTHONPATH=/tmp/site:$OLD_TREE:benchmarks python3 benchmarks/sampled_b1.py \
+      [ -n "${OLD_TREE:-}" ] && PYTHONPATH=$OLD_TREE:$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py \
         2>"$OUT/b1_old.log" | tee "$OUT/b1_old.json" ;;
     matrix)
       tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.7}" \

@@ -10,11 +10,13 @@ Prints one JSON line.
 
 from __future__ import annotations
 
+import gc
 import json
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 from common import LLAMA_8B, write_eagle_dir, write_model_dir
 
 import tidal
@@ -41,6 +43,8 @@ def main() -> None:
     llm = LLM(model=str(target), **common)
     results["plain"] = rate(llm)
     del llm
+    gc.collect()  # the engine's reference cycles hold its GPU memory until collected
+    torch.cuda.empty_cache()
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "policy": "fixed",
             "simulate_acceptance": 0.8}
     llm = LLM(model=str(target), speculative_config=spec, **common)

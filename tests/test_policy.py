@@ -73,7 +73,10 @@ def step(policy, reqs, acceptance, rng, limit=K):
         accepted.append(1 + n)
     plan = StepPlan(reqs, [1] * len(reqs), list(ks), ks.note)
     result = StepResult(torch.zeros(len(reqs), 1 + max(ks), dtype=torch.int64), torch.tensor(accepted))
-    policy.observe(plan, result, 0.01)
+    # The step takes what the cost model says (these models are the truth of the test).
+    seconds = float(policy.cost.step_time(len(reqs), sum(ks), max(ks), sum(k > 0 for k in ks),
+                                          sum(r.num_computed + 1 for r in reqs), 0, ks.note.catch_up))
+    policy.observe(plan, result, seconds)
     return ks
 
 
@@ -498,6 +501,34 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == policy["num_decisions"]
     assert {"batch", "k", "predicted_s", "observed_s", "accepted", "catch_up"} <= set(lines[-1])
+
+
+def test_drafts_never_accepted_bring_k_to_zero_within_a_few_steps(models, tmp_path):
+    """On the costs measured on this device, a drafter that costs a quarter of the target
+    drafts long while its drafts are accepted; when none ever is, goodput gives it up
+    within a few decisions and afterwards drafts only its rare one-token probes."""
+    drafter = truncated_drafter(models["target"], tmp_path / "one-layer", 1)  # a quarter of the target
+
+    def decisions(acceptance):
+        log = tmp_path / f"decisions-{acceptance}.jsonl"
+        llm = LLM(model=models["target"], page_size=4, max_num_seqs=4, speculative_config={
+            "method": "draft_model", "model": drafter, "num_speculative_tokens": 4, "profile_seconds": 1.0,
+            "decision_log": str(log), "simulate_acceptance": acceptance})
+        llm.generate([list(range(20 + i, 30 + i)) for i in range(4)],
+                     SamplingParams(temperature=0, max_tokens=96, ignore_eos=True), use_tqdm=False)
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    accepted = decisions(1.0)
+    rows = sum(len(d["k"]) for d in accepted)
+    assert sum(sum(d["k"]) for d in accepted) > 0.25 * rows  # drafting pays here (on this CPU's noisy prices)
+    rejected = decisions(0.0)
+    start = next(i for i, d in enumerate(rejected) if any(d["k"]))  # prompts that just ended start at K = 0
+    first_off = next(i for i in range(start, len(rejected)) if not any(rejected[i]["k"]))
+    assert first_off - start <= 16, [d["k"] for d in rejected[:start + 20]]
+    later = rejected[first_off:]
+    drafting = [d for d in later if any(d["k"])]
+    assert sum(not d["probes"] for d in drafting) <= 8  # a draft since then is mostly a probe ...
+    assert len(drafting) <= 0.25 * len(later)  # ... now and then
 
 
 def test_each_step_is_observed_with_the_decision_it_was_made_from(models, tmp_path):

@@ -30,11 +30,10 @@ _frozen = 0  # serving loops under way (`frozen_heap`)
 @contextlib.contextmanager
 def frozen_heap():
     """While serving, keep the objects that already exist (the engine's, its libraries')
-    out of the garbage collector's scans. A full collection walks every tracked object:
-    ~450,000 after an 8B engine's start-up, 210 ms on the H200 host (run60); with a tiny
-    model on a 2-core CPU, 148 ms, and 1.5 ms frozen mid-serving (`full_collection.py` in
-    benchmarks/results/2026-12-01-cpu). It is a stall in whatever step it lands in. Everything thaws when the last loop ends, so an engine dropped afterwards is
-    collected as usual (frozen objects never are)."""
+    out of the garbage collector's scans. A full collection walks every tracked object,
+    hundreds of thousands after an 8B engine's start-up (docs/design.md): a stall in
+    whatever step it lands in. Everything thaws when the last loop ends, so an engine
+    dropped afterwards is collected as usual (frozen objects never are)."""
     global _frozen
     if _frozen == 0:
         gc.freeze()

@@ -133,8 +133,8 @@ class CudaGraphs:
 
 
 # Token counts of the piecewise graphs. Steps with more tokens than the largest run eagerly:
-# there the GPU's work outlasts the host's ~11 ms of launches (run34: 64 decodes + a
-# 128-token prompt take 11.8 ms to launch eagerly, 7.3 ms on the GPU).
+# there the GPU's work outlasts the host's launches (docs/design.md, "Graphs for steps with
+# prompt tokens").
 PIECEWISE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 

@@ -115,9 +115,17 @@ def finish(args: argparse.Namespace, report: dict) -> int:
         write_json(report, args.output_json)
     if args.output_png:
         plot(report, args.output_png)
+    return report_failures(report)
+
+
+def report_failures(report: dict) -> int:
+    """Say how many requests failed, and why (the commonest errors); 1 if any did."""
     failed = sum(r["failed"] for r in report["results"])
     if failed:
         print(f"\n{failed} requests failed", file=sys.stderr)
+        for r in report["results"]:
+            for error, count in r.get("errors", {}).items():
+                print(f"  {r['mode']} {r.get('workload', '')} {r['load']}: {count} x {error}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -177,7 +185,4 @@ def cmd_bench_matrix(args: argparse.Namespace) -> int:
         write_json(report, args.output_json)
     if args.output_png:
         plot_matrix(report, args.output_png)
-    failed = sum(r["failed"] for r in report["results"])
-    if failed:
-        print(f"\n{failed} requests failed", file=sys.stderr)
-    return 1 if failed else 0
+    return report_failures(report)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -171,9 +171,11 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
     the time between token arrivals, which may bring several tokens with speculation."""
     ok = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in ok)
+    errors = Counter(r.error for r in records if r.error is not None)
     return {
         "completed": len(ok),
         "failed": len(records) - len(ok),
+        "errors": dict(errors.most_common(5)),  # the commonest failures, with their counts
         "duration_s": duration,
         "input_tokens": sum(r.prompt_len for r in ok),
         "output_tokens": output_tokens,

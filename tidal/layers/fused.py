@@ -229,8 +229,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, block_n: in
     fused [gate | up] and the result SiluAndMul of the product, so that at batch 1 (a
     chain of small launches) the SwiGLU is not a launch of its own. Equal to the unfused
     result up to the order in which the products are summed. At Llama-8B's shapes on an
-    H200, 1 x 512 blocks beat cuBLAS on every decoder product, 5% (qkv) to 16% (o), with
-    no split-K reduction after it (run46)."""
+    H200, 1 x 512 blocks beat cuBLAS on every decoder product, with no split-K reduction
+    after it (docs/design.md)."""
     assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1 and x.dtype == weight.dtype
     k = x.shape[1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -360,8 +360,8 @@ def _first_best(x: torch.Tensor, keys: torch.Tensor | None, out: torch.Tensor | 
 
 def argmax(x: torch.Tensor, out: torch.Tensor | None = None, lookup: torch.Tensor | None = None) -> torch.Tensor:
     """torch's argmax over the last dim of x [N, V] (NaN aside), in one pass that splits long
-    rows over several programs: torch reduces a row of a 128k vocabulary in one block
-    (31.5 us at one row on an H200 from a graph, against 14.7 here; run34). With `lookup`,
+    rows over several programs: torch reduces a row of a 128k vocabulary in one block,
+    about twice as slow at one row on an H200. With `lookup`,
     lookup[argmax] (e.g. a drafter's draft-to-target ids); into `out`, if given."""
     return _first_best(x, None, out, lookup)
 
@@ -478,10 +478,9 @@ def _top_p_search(row_ptr, floor, p, V, BLOCK: tl.constexpr, G: tl.constexpr):
 def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, group: int = 8) -> torch.Tensor:
     """`sampler.processed_probs`'s top-p threshold per row over the values >= floor [N] (the
     top-k threshold, or -inf), without sorting the vocabulary: a few passes over each row,
-    `group` (a power of 2) cuts tried per pass (8 was the fastest on an H200, run31). It
-    sums the kept mass in another order than the sort, so where a value's mass sits within
-    rounding of the boundary the two may keep one value more or less (3% of rows of random
-    logits at 128k, run31). top_p [N] float32 in (0, 1]."""
+    `group` (a power of 2) cuts tried per pass (8 was the fastest on an H200). It sums the
+    kept mass in another order than the sort, so where a value's mass sits within rounding
+    of the boundary the two may keep one value more or less. top_p [N] float32 in (0, 1]."""
     scaled = scaled if scaled.stride(-1) == 1 else scaled.contiguous()
     n, v = scaled.shape
     out = torch.empty(n, dtype=torch.float32, device=scaled.device)

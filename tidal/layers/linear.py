@@ -33,7 +33,7 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def one_token_on_cuda(x: torch.Tensor) -> bool:
     """Whether x [T, in] is a single contiguous token on CUDA (a batch-1 decode), whose
-    products run `fused.gemv`: it beats cuBLAS there (run46)."""
+    products run `fused.gemv`: it beats cuBLAS there."""
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
 
 

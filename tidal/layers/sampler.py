@@ -23,8 +23,8 @@ STREAM_SAMPLE = 0   # token sampling (plain decode, and the resample/bonus token
 STREAM_ACCEPT = 1   # accept/reject tests of speculative verification
 
 # From this many rows on, CUDA finds the top-p threshold by `fused.top_p_threshold`'s search
-# rather than a sort of the vocabulary: on an H200 the sort wins at 16 rows (0.5 against 1.0
-# ms), the two are even at 64 and the search wins at 256 (1.6 against 3.4 ms; run31).
+# rather than a sort of the vocabulary: the two were even at 64 rows on an H200, the sort
+# faster below, the search above (docs/design.md).
 SEARCH_TOP_P_ROWS = 64
 
 _MASK32 = 0xFFFFFFFF

@@ -35,9 +35,8 @@ With no profile the grid starts at zero and is learned the same way: an unseen w
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the price of a compute-bound token, and
 only when it has at least the tokens of the grid's largest shape: a smaller one's time is
-mostly fixed costs, which would teach the price their share per token (run51: priced that
-way by the small steps of 1 and 10 clients, a draft beside a prompt looked dear at 70
-clients, and goodput drafted in none of those steps). One whose drafter catches up
+mostly fixed costs, which would teach the price their share per token (and make a draft
+beside a prompt look dear at higher loads; docs/design.md). One whose drafter catches up
 corrects only the price of catching up (a scale on the profiled one).
 """
 
@@ -90,6 +89,8 @@ class CostModel:
         self.catch_up_scale = np.ones(1)  # observed / profiled catch-up time
         self.catch_up_weight = np.ones(1)
         self.correct_online = correct_online
+        self.error = 0.0        # mean absolute relative error of the predictions observed (exponential average)
+        self.num_observed = 0
         self.rate = rate              # how fast the grid's cells follow what is left after the level
         self.cell_step = cell_step    # the most one step's error moves a cell, as a share of the prediction
         self.level_rate = level_rate  # how fast the level follows the errors: faster, so that a spell
@@ -158,7 +159,10 @@ class CostModel:
         """Correct the model by this step's prediction error; returns the prediction."""
         predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill, catch_up))
         if not self.correct_online:
-            return predicted
+            return predicted  # a model given as the truth (tests, simulations): it has no error
+        miss = abs(predicted - seconds) / seconds
+        self.error = miss if self.num_observed == 0 else 0.95 * self.error + 0.05 * miss
+        self.num_observed += 1
         error = seconds - predicted
         if catch_up:
             profiled = float(self.catch_up_time(catch_up)) / self.catch_up_scale[0]

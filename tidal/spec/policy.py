@@ -131,16 +131,19 @@ class Goodput:
         pays at this load may not at the one to come, so the catch-up is charged in full.
 
     The time a step's drafts add to it is priced `draft_premium` above the cost model's
-    figure: drafting costs more than its own steps show (at 250 clients and acceptance 0.8,
-    fixed K = 1's decode steps made 15% more tokens a second than off's, yet its closed loop
-    only matched off's: run48), and the acceptance estimates that make a draft look worth
-    it are noisy. A near tie thus goes to K = 0, whose price is exact. Only the drafts' own
-    time is taxed: a premium on the whole step also taxed the prompt tokens sharing it, and
-    at 70 clients goodput stopped drafting beside prompts (run50).
+    figure: drafting costs more than its own steps show, and the acceptance estimates that
+    make a draft look worth it are noisy. A near tie thus goes to K = 0, whose price is
+    exact. Only the drafts' own time is taxed, not the prompt tokens sharing the step
+    (docs/design.md, "The goodput policy", has the measurements). Where drafts look nearly
+    free they are taxed at least the cost model's recent error on a step (`cost.error`,
+    times the plain step's price): a gain smaller than the prices' own noise is no gain, so
+    drafts that are never accepted stop however cheap they look.
 
-    The previous decision is kept unless the new one is better by `hysteresis`, and a
-    request at K = 0 drafts one token now and then (a probe, see `_probe`), so that its
-    acceptance estimate does not stay stale where it was left.
+    The previous decision is kept unless the new one is better by `hysteresis` (though never
+    a drafting one that K = 0 now beats: a spell of rejections must end drafting at once,
+    not once the estimates have fallen 3% further), and a request at K = 0 drafts one token
+    now and then (a probe, see `_probe`), so that its acceptance estimate does not stay
+    stale where it was left.
 
     Prices go stale too: a width the policy does not run keeps the price it was last seen
     at, and a price too high is never seen to be. So every `explore_interval` decisions,
@@ -174,8 +177,8 @@ class Goodput:
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.steps_since_drafting = 0
-        self.num_decisions = self.num_held = self.num_probes = self.num_explored = self.num_timed = 0
-        self.predicted = self.observed = self.error = 0.0
+        self.num_decisions = self.num_held = self.num_probes = self.num_explored = 0
+        self.predicted = self.observed = 0.0
 
     # -- deciding --------------------------------------------------------------------------
 
@@ -199,6 +202,7 @@ class Goodput:
         gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
 
         ks, rate, plain_rate, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, False, False
+        plain_step = float(self.cost.step_time(b, 0, 0, 0, context))  # the decodes' plain step
         if cap > 0 and limit.max() > 0:
             steps_left = np.clip(left / (1 + gain.sum(axis=1)), 1, self.horizon if demand < room else 1)
             # What each request brings to the step if it drafts: itself, its catch-up, the share of it charged now.
@@ -211,9 +215,11 @@ class Goodput:
                 count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
                 shared = np.minimum(np.maximum(room - n, 0), prompt)
                 step = self.cost.step_time(b, n, longest, count, context, shared)
-                # The drafts' own time (none where online corrections left a wider cell cheaper).
+                # The drafts' own time (none where online corrections left a wider cell cheaper),
+                # taxed by `draft_premium`, and at least by what the cost model misses of a plain
+                # step: a draft must win by more than the prices' own error.
                 drafts = np.maximum(step - self.cost.step_time(b, 0, 0, 0, context, shared), 0.0)
-                step += self.draft_premium * drafts
+                step += np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * plain_step), 0.0)
                 return (step + self.cost.token_cost() * (prompt - shared)
                         + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
 
@@ -236,7 +242,11 @@ class Goodput:
             if not np.array_equal(previous, ks) and previous.sum() <= cap:
                 tokens, *shape = self._shape(gain, brings, previous)
                 alone = float(seconds(*shape))
-                if score(tokens, shape, alone) + self.hysteresis * best * alone >= scores[j]:
+                held_score = score(tokens, shape, alone)
+                # Kept if within `hysteresis` of the best, but never a draft priced below K = 0:
+                # a move to the plain step, whose price is exact, is never held back.
+                if held_score + self.hysteresis * best * alone >= scores[j] and \
+                        (not previous.any() or held_score > scores[0]):
                     ks, rate, held = previous, tokens / alone, True
             if (self.explore_interval and self.num_decisions % self.explore_interval == 0 and not demand
                     and ks.any() and np.array_equal(ks > 0, limit > 0)):
@@ -252,11 +262,13 @@ class Goodput:
         self.previous = dict(zip(requests, ks.tolist()))
 
         def worth(ks):
-            """Seconds of the step, catch-up in full, and its expected tokens."""
+            """Seconds of the step, catch-up in full and taxed by the prices' error as drafts
+            are, and its expected tokens."""
             n = int(ks.sum())
             seconds = self.cost.step_time(b, n, ks.max(), np.count_nonzero(ks), context,
                                           min(max(room - n, 0), demand), backlog[ks > 0].sum())
-            return float(seconds), b + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
+            return float(seconds) + (self.cost.error * plain_step if n else 0.0), \
+                b + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
 
         # No probes while prompts wait for the budget: the batch is still growing, and what
         # a probe would learn is worth most once the load has settled.
@@ -361,10 +373,7 @@ class Goodput:
         context = sum(reqs[i].num_computed + 1 for i in decoding)
         predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
                                       step_time, prefill, decision.catch_up)
-        miss = abs(predicted - step_time) / step_time
-        self.error = miss if self.num_timed == 0 else 0.95 * self.error + 0.05 * miss
         self.predicted, self.observed = predicted, step_time
-        self.num_timed += 1
         if self.log:
             decision.log.update(prefill=prefill, predicted_s=predicted, observed_s=step_time,
                                 drafted=list(plan.draft_lens), accepted=[n - 1 for n in accepted])
@@ -382,7 +391,7 @@ class Goodput:
             "num_explored": self.num_explored,
             "num_probes": self.num_probes,
             "step_time": {"predicted_s": self.predicted, "observed_s": self.observed,
-                          "mean_abs_rel_error": self.error, "num_observed": self.num_timed},
+                          "mean_abs_rel_error": self.cost.error, "num_observed": self.cost.num_observed},
             "acceptance_per_position": self.acceptance.server().tolist(),
         }
 
