@@ -10,6 +10,8 @@
 #   b1       batch-1 sampled decode, plain and EAGLE-3 K = 4 (benchmarks/sampled_b1.py), this tree
 #            and OLD_TREE
 #   matrix   `tidal bench matrix` with MATRIX_ARGS
+#   profile  http's c=256 load on this tree's server, with py-spy (if on PATH) sampling the API
+#            process, the engine core's process and the benchmark client for 15 s each
 # Usage: PARTS="http w2 w3" OUT=dir [OLD_TREE=dir] [SMOKE=1] bash benchmarks/field_check.sh
 # Logs and JSON go to a work folder, packed into $OUT/field.tgz after every part.
 set -uo pipefail
@@ -29,12 +31,13 @@ serve_and_bench() {  # LABEL TREE: a server from source tree TREE (. = this one)
   if [ "$tree" = . ]; then
     python3 -m tidal serve "${ENGINE[@]}" --no-speculation --port $port >"$OUT/server_$label.log" 2>&1 &
   else  # an older tree's CLI may lack --load-format: give its engine the flag's value directly
-    PYTHONPATH="$tree:$PYTHONPATH" python3 -c "
+    (cd "$tree" && PYTHONPATH="$tree:$PYTHONPATH" exec python3 -c "
 import sys, tidal.cli as cli, tidal.server.api as api
 kwargs = cli.engine_kwargs
 api.engine_kwargs = lambda args: {**kwargs(args), 'load_format': 'dummy'}
+print('serving from', cli.__file__, flush=True)
 sys.exit(cli.main(['serve', '--model', '$M/target', '--device', '$DEVICE', '--port', '$port']))
-" >"$OUT/server_$label.log" 2>&1 &
+") >"$OUT/server_$label.log" 2>&1 &
   fi
   local pid=$!
   python3 -c "
@@ -76,6 +79,21 @@ for part in ${PARTS:-http w2 w3}; do
       PYTHONPATH=$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py 2>"$OUT/b1_new.log" | tee "$OUT/b1_new.json"
       [ -n "${OLD_TREE:-}" ] && PYTHONPATH=$OLD_TREE:$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py \
         2>"$OUT/b1_old.log" | tee "$OUT/b1_old.json" ;;
+    profile)
+      python3 -m tidal serve "${ENGINE[@]}" --no-speculation --port 8178 >"$OUT/server_profile.log" 2>&1 &
+      server=$!
+      until python3 -c "import httpx; httpx.get('http://127.0.0.1:8178/health').raise_for_status()" 2>/dev/null; do
+        sleep 1; kill -0 $server || break; done
+      tidal bench serve --base-url http://127.0.0.1:8178 --label profile --model "$M/target" "${W2[@]}" \
+        --concurrency 256 --num-prompts 768 --output-json "$OUT/profile_c256.json" 2>/dev/null | tail -4 &
+      bench=$!; sleep 20
+      core=$(pgrep -P $server -f spawn_main | head -1) client=$(pgrep -f "label profile" | head -1)
+      top -b -n 1 -w 200 | head -20 >"$OUT/profile_top.txt"
+      for who in server core client; do
+        py-spy record -p ${!who} -d 15 -r 100 -f raw --threads --nonblocking -o "$OUT/profile_$who.txt" \
+          >"$OUT/profile_$who.log" 2>&1 &
+      done
+      wait $bench; kill -INT $server; wait $server ;;
     matrix)
       tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.7}" \
         ${MATRIX_ARGS:-} --output-json "$OUT/matrix.json" --output-png "$OUT/matrix.png" \

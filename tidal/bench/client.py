@@ -1,5 +1,5 @@
-"""The HTTP load generator: streaming /v1/completions requests, closed or open loop, and
-the server's speculation counters from /metrics."""
+"""The HTTP load generator: streaming /v1/completions requests, closed or open loop
+(aiohttp), and the server's speculation counters from /metrics (httpx, one request each)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import time
 from collections import deque
 
+import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
@@ -16,7 +17,7 @@ from tidal.bench.datasets import BenchRequest
 from tidal.bench.workload import Load, RequestRecord
 
 
-async def stream_completion(client: httpx.AsyncClient, model: str, req: BenchRequest, phase: int,
+async def stream_completion(session: aiohttp.ClientSession, model: str, req: BenchRequest, phase: int,
                             temperature: float, extra: dict | None = None) -> RequestRecord:
     """Send one streaming completion of exactly `req.output_len` tokens (ignore_eos), with
     `extra` fields in its body, and time each chunk; the token count comes from the
@@ -25,21 +26,21 @@ async def stream_completion(client: httpx.AsyncClient, model: str, req: BenchReq
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     record = RequestRecord(phase, req.prompt_len, req.output_len, start=time.perf_counter())
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}"
+        async with session.post("/v1/completions", json=body) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.text())[:300]}"
             else:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                async for line in response.content:  # one server-sent event's data line at a time
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len(b"data: "):])
                     if "error" in chunk:
                         record.error = chunk["error"]["message"]
                     elif chunk["choices"]:
                         record.chunk_times.append(time.perf_counter())
                     elif chunk.get("usage"):
                         record.output_tokens = chunk["usage"]["completion_tokens"]
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         record.error = f"{type(e).__name__}: {e}"
     if record.error is None and not (record.chunk_times and record.output_tokens):
         record.error = "the stream ended without tokens or usage"
@@ -51,14 +52,20 @@ async def run_load(base_url: str, model: str, load: Load, requests: list[BenchRe
                    temperature: float = 0.0, extra: dict | None = None,
                    desc: str = "") -> tuple[list[RequestRecord], float, list]:
     """Drive `load` with `requests` (in order), `extra` fields in every body. Returns the
-    records, the run's seconds and the (phase, seconds) of each closed-loop phase."""
+    records, the run's seconds and the (phase, seconds) of each closed-loop phase.
+
+    The load generator must not be what limits the load: at 256 streams a client parses
+    thousands of events a second, so it is aiohttp's (whose parser is compiled). httpx's
+    pool rescans every connection on each request and response, and bounded an earlier
+    measurement of this benchmark at about two thirds of what the server could serve."""
     records, spans = [], []
     bar = tqdm(total=load.total_requests, desc=desc, unit="req", leave=False)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+    session = aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
+                                    timeout=aiohttp.ClientTimeout(total=None), read_bufsize=1 << 20)
+    async with session:
 
         async def send(req: BenchRequest, phase: int) -> None:
-            records.append(await stream_completion(client, model, req, phase, temperature, extra))
+            records.append(await stream_completion(session, model, req, phase, temperature, extra))
             bar.update(1)
 
         start = time.perf_counter()
