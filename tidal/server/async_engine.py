@@ -3,8 +3,8 @@
 
 Requests are made here (`InputProcessor`, tokenization included, off the event loop) and
 sent to the core; the core's step outputs come back in one message per step, which a
-reader thread detokenizes (`OutputProcessor`) and hands to the loop with
-`call_soon_threadsafe`, routed into per-request asyncio queues. A sender thread writes to
+reader thread hands to the loop (`call_soon_threadsafe`), where it is detokenized
+(`OutputProcessor`) and routed into per-request asyncio queues. A sender thread writes to
 the core, so the event loop never waits on the pipe. If the core process dies, every open
 request ends with an `EngineError` and `on_death` is called (the server then exits).
 """
@@ -20,7 +20,7 @@ from typing import AsyncIterator, Callable
 
 from tidal.config import EngineConfig
 from tidal.engine import EngineCore
-from tidal.processing import InputProcessor, OutputProcessor
+from tidal.processing import EngineOutput, InputProcessor, OutputProcessor
 from tidal.request import Request, RequestOutput
 from tidal.server.core_process import run_core
 from tidal.server.metrics import ServerMetrics
@@ -69,7 +69,7 @@ class AsyncEngine:
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                      config.speculative_config, config.seed, self.outputs.requests.__contains__)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._listeners: dict[str, asyncio.Queue] = {}  # request id -> its consumer; loop thread only
+        self._listeners: dict[str, Outputs] = {}  # request id -> its consumer's; loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = False
@@ -110,7 +110,7 @@ class AsyncEngine:
         away) aborts the unfinished ones, freeing their pages."""
         if not self.is_running:
             raise EngineError("the engine is not running", 503)
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = Outputs()
         position = {req.request_id: i for i, req in enumerate(requests)}
         for req in requests:
             self._listeners[req.request_id] = outputs
@@ -119,12 +119,10 @@ class AsyncEngine:
         unfinished = set(position)
         try:
             while unfinished:
-                out = await outputs.get()
-                if isinstance(out, EngineError):
-                    raise EngineError(str(out), out.status)  # a fresh one per consumer: they share the error
-                if out.finished:
-                    unfinished.discard(out.request_id)
-                yield position[out.request_id], out
+                for out in await outputs.get():
+                    if out.finished:
+                        unfinished.discard(out.request_id)
+                    yield position[out.request_id], out
         finally:
             for request_id in position:
                 del self._listeners[request_id]
@@ -134,7 +132,7 @@ class AsyncEngine:
     def fail_all(self, error: EngineError) -> None:
         """End every open request with `error` (loop thread)."""
         for listener in set(self._listeners.values()):
-            listener.put_nowait(error)
+            listener.fail(error)
 
     # -- the threads -----------------------------------------------------------------------
 
@@ -150,17 +148,7 @@ class AsyncEngine:
             while True:
                 kind, *payload = self._from_core.recv()
                 if kind == "outputs":
-                    outputs, stats = payload
-                    results, stopped = self.outputs.process(outputs)
-                    if stopped:
-                        self._outbox.put(("finish", [(request_id, "stop", s) for request_id, s in stopped]))
-                    for out in results:
-                        if out.finished:
-                            self.metrics.record_finished(out)
-                    if stats is not None:
-                        self.metrics.update_stats(stats)
-                    if results:
-                        self._loop.call_soon_threadsafe(self._deliver, results)
+                    self._loop.call_soon_threadsafe(self._deliver, *payload)
                 else:  # "failed": a step failed, and the core ended these requests
                     request_ids, message = payload
                     self._loop.call_soon_threadsafe(self._fail, request_ids, EngineError(message))
@@ -175,20 +163,66 @@ class AsyncEngine:
 
     # -- on the event loop -----------------------------------------------------------------
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
+    def _deliver(self, outputs: list[EngineOutput], stats: dict | None) -> None:
+        """One step's outputs: detokenized here, on the loop, rather than in the reader
+        thread, so that one thread, not two taking turns at the GIL, does the API process's
+        Python work (two made the stream of every request wait on the other's turns)."""
+        results, stopped = self.outputs.process(outputs)
+        if stopped:
+            self._outbox.put(("finish", [(request_id, "stop", s) for request_id, s in stopped]))
+        if stats is not None:
+            self.metrics.update_stats(stats)
+        for out in results:
+            if out.finished:
+                self.metrics.record_finished(out)
             listener = self._listeners.get(out.request_id)
             if listener is not None:  # None: its consumer left and an abort is on its way
-                listener.put_nowait(out)
+                listener.put(out)
 
     def _fail(self, request_ids: list[str], error: EngineError) -> None:
         for request_id in request_ids:
             self.outputs.requests.pop(request_id, None)
         for listener in {self._listeners[r] for r in request_ids if r in self._listeners}:
-            listener.put_nowait(error)
+            listener.fail(error)
 
     def _die(self) -> None:
         self.outputs.requests.clear()
         self.fail_all(EngineError(f"the engine process died (exit code {self.process.exitcode})"))
         if self.on_death is not None:
             self.on_death()
+
+
+class Outputs:
+    """What one `generate` call's consumer has not taken yet: each request's newest output,
+    with the text of any it replaced joined in front of its delta. A consumer that falls
+    behind the steps (a busy API process, a slow client) then takes one output per request
+    holding several steps' tokens, not a backlog of one per step: the work per chunk sent
+    stays the same while the chunks grow, so streaming cannot fall further behind."""
+
+    def __init__(self):
+        self.pending: dict[str, RequestOutput] = {}
+        self.error: EngineError | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        older = self.pending.get(out.request_id)
+        if older is not None:
+            out.outputs[0].delta = older.outputs[0].delta + out.outputs[0].delta
+        self.pending[out.request_id] = out
+        self.ready.set()
+
+    def fail(self, error: EngineError) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> list[RequestOutput]:
+        """The outputs waiting (at least one); once none is left, the error, if any."""
+        await self.ready.wait()
+        if self.pending:
+            outs = list(self.pending.values())
+            self.pending.clear()
+        else:
+            raise EngineError(str(self.error), self.error.status)  # a fresh one per consumer: they share it
+        if self.error is None:
+            self.ready.clear()
+        return outs

@@ -1,0 +1,165 @@
+"""What the API process can stream, with an engine core that costs nothing: `tidal serve`'s
+own app and core process, but a core without a model (ClockCore: every --step-ms it commits
+one token to every running request). At 256 clients and 24 ms a step, a perfect front
+streams 256 / 0.024 = 10,667 tok/s; what it reaches, and the API process's CPU time, bound
+what the HTTP path can cost a real engine on any GPU. The load comes from `tidal bench`'s
+client in this process; the server is a subprocess.
+
+    PYTHONPATH=.:benchmarks python benchmarks/front_capacity.py [--step-ms 24] [--concurrency 256]
+Prints a table and one JSON line. (`--smoke`: a short run, for the CPU tests.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from common import SMOKE, write_model_dir
+
+from tidal.bench.client import run_load, spec_counters
+from tidal.bench.datasets import BenchRequest
+from tidal.bench.workload import Load, summarize_run
+from tidal.config import EngineConfig
+from tidal.models.config import ModelConfig
+from tidal.processing import EngineOutput
+from tidal.request import Request
+
+
+class ClockCore:
+    """The engine core's interface (what `core_process.run_core` calls), without a model."""
+
+    step_s = float(os.environ.get("TIDAL_CLOCK_STEP_S", "0.024"))
+
+    def __init__(self, config: EngineConfig):
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.max_model_len = self.model_config.max_position_embeddings
+        self.running: dict[str, Request] = {}
+        self.num_steps = self.num_generated_tokens = 0
+        self.next_step = time.monotonic()
+
+    def describe(self) -> str:
+        return f"a clock core: one token per running request every {self.step_s * 1e3:g} ms"
+
+    def stats(self) -> dict:
+        spec = {"num_steps": 0, "num_drafted": 0, "num_accepted": 0, "mean_accepted_length": 1.0,
+                "acceptance_per_position": []}
+        return {"num_running": len(self.running), "num_waiting": 0, "num_pages": 1, "num_free_pages": 1,
+                "prefix_cache_hit_pages": 0, "num_preemptions": 0, "num_steps": self.num_steps,
+                "num_steps_ahead": 0, "num_generated_tokens": self.num_generated_tokens, "spec": spec,
+                "policy": {"name": "none", "draft_len_counts": [0]}}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running)
+
+    def request_ids(self) -> list[str]:
+        return list(self.running)
+
+    def add_request(self, req: Request) -> None:
+        self.running[req.request_id] = req
+
+    def finish(self, request_id: str, reason: str = "abort", stop_reason=None) -> EngineOutput | None:
+        req = self.running.pop(request_id, None)
+        return None if req is None else self._end(req, [], reason, stop_reason)
+
+    def step(self) -> list[EngineOutput]:
+        self.next_step = max(self.next_step + self.step_s, time.monotonic())
+        time.sleep(max(0.0, self.next_step - time.monotonic()))
+        self.num_steps += 1
+        outputs = []
+        for req in list(self.running.values()):
+            token = 100 + len(req.token_ids) % 50  # ordinary tokens: they detokenize to text
+            req.token_ids.append(token)
+            req.first_token_time = req.first_token_time or time.monotonic()
+            self.num_generated_tokens += 1
+            if req.num_output_tokens >= req.params.max_tokens:
+                outputs.append(self._end(self.running.pop(req.request_id), [token], "length", None))
+            elif req.stream:
+                outputs.append(EngineOutput(req.request_id, [token]))
+        return outputs
+
+    @staticmethod
+    def _end(req: Request, tokens: list[int], reason: str, stop_reason) -> EngineOutput:
+        metrics = {"num_prompt_tokens": req.num_prompt_tokens, "num_cached_prompt_tokens": 0, "num_preemptions": 0,
+                   "arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finish_time": time.monotonic(), "spec": req.spec.as_dict()}
+        return EngineOutput(req.request_id, tokens, None, reason, stop_reason, metrics)
+
+
+def serve(model: str, port: int) -> None:
+    import uvicorn
+
+    from tidal.server.api import build_app
+    from tidal.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig(model=model, device="cpu"), make_core=ClockCore)
+    uvicorn.run(build_app(engine, "clock"), host="127.0.0.1", port=port, log_level="warning")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--step-ms", type=float, default=24.0)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=768)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=192)
+    parser.add_argument("--port", type=int, default=8179)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # the server subprocess
+    args = parser.parse_args()
+    if args.serve:
+        return serve(args.serve, args.port)
+    if args.smoke:
+        args.concurrency, args.num_prompts, args.input_len, args.output_len = 8, 16, 16, 16
+    model = str(write_model_dir(Path(tempfile.mkdtemp()), SMOKE))
+    env = {**os.environ, "TIDAL_CLOCK_STEP_S": str(args.step_ms / 1e3)}
+    server = subprocess.Popen([sys.executable, __file__, "--serve", model, "--port", str(args.port)], env=env)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None:
+                sys.exit("the server exited")
+            time.sleep(0.2)
+        requests = [BenchRequest([100 + (i + j) % 300 for j in range(args.input_len)], args.output_len)
+                    for i in range(args.num_prompts)]
+        load = Load(f"c={args.concurrency}", phases=((args.concurrency, args.num_prompts),))
+        counters, before = spec_counters(url), cpu_seconds(server.pid)
+        records, duration, spans = asyncio.run(run_load(url, "clock", load, requests, seed=0, temperature=0.7))
+        api_cores = (cpu_seconds(server.pid) - before) / duration
+        row = summarize_run("clock", load, records, duration, spans, counters, spec_counters(url))
+    finally:
+        server.terminate()
+        server.wait()
+    ideal = args.concurrency / (args.step_ms / 1e3)
+    result = {"step_ms": args.step_ms, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+              "output_tok_s": row["output_throughput"], "ideal_tok_s": ideal,
+              "of_ideal": row["output_throughput"] / ideal, "api_process_cores": api_cores,
+              "failed": row["failed"], "median_ttft_ms": row["median_ttft_ms"], "median_tpot_ms": row["median_tpot_ms"]}
+    print(f"clock core, {args.step_ms:g} ms a step, c={args.concurrency}: {result['output_tok_s']:.0f} of "
+          f"{ideal:.0f} tok/s ({result['of_ideal']:.2f}); API process {api_cores:.2f} cores; "
+          f"{row['failed']} failed; median TTFT {row['median_ttft_ms']:.0f} ms, TPOT {row['median_tpot_ms']:.1f} ms")
+    print(json.dumps(result))
+    if row["failed"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
