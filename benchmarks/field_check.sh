@@ -10,6 +10,7 @@
 #   b1       batch-1 sampled decode, plain and EAGLE-3 K = 4 (benchmarks/sampled_b1.py), this tree
 #            and OLD_TREE
 #   matrix   `tidal bench matrix` with MATRIX_ARGS
+#   front    what the API process streams when the core costs nothing (benchmarks/front_capacity.py)
 #   profile  http's c=256 load on this tree's server, with py-spy (if on PATH) sampling the API
 #            process, the engine core's process and the benchmark client for 15 s each
 # Usage: PARTS="http w2 w3" OUT=dir [OLD_TREE=dir] [SMOKE=1] bash benchmarks/field_check.sh
@@ -79,6 +80,8 @@ for part in ${PARTS:-http w2 w3}; do
       PYTHONPATH=$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py 2>"$OUT/b1_new.log" | tee "$OUT/b1_new.json"
       [ -n "${OLD_TREE:-}" ] && PYTHONPATH=$OLD_TREE:$PYTHONPATH:benchmarks python3 benchmarks/sampled_b1.py \
         2>"$OUT/b1_old.log" | tee "$OUT/b1_old.json" ;;
+    front)
+      PYTHONPATH=$PYTHONPATH:benchmarks python3 benchmarks/front_capacity.py 2>/dev/null | tee "$OUT/front.json" ;;
     profile)
       python3 -m tidal serve "${ENGINE[@]}" --no-speculation --port 8178 >"$OUT/server_profile.log" 2>&1 &
       server=$!

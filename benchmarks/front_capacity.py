@@ -26,6 +26,7 @@ from common import SMOKE, write_model_dir
 
 from tidal.bench.client import run_load, spec_counters
 from tidal.bench.datasets import BenchRequest
+from tidal.bench.serve import free_port
 from tidal.bench.workload import Load, summarize_run
 from tidal.config import EngineConfig
 from tidal.models.config import ModelConfig
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=768)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=192)
-    parser.add_argument("--port", type=int, default=8179)
+    parser.add_argument("--port", type=int, default=None, help="the server's (default: a free one)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--serve", metavar="MODEL", help=argparse.SUPPRESS)  # the server subprocess
     args = parser.parse_args()
@@ -125,6 +126,7 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.num_prompts, args.input_len, args.output_len = 8, 16, 16, 16
     model = str(write_model_dir(Path(tempfile.mkdtemp()), SMOKE))
+    args.port = args.port or free_port()
     env = {**os.environ, "TIDAL_CLOCK_STEP_S": str(args.step_ms / 1e3)}
     server = subprocess.Popen([sys.executable, __file__, "--serve", model, "--port", str(args.port)], env=env)
     url = f"http://127.0.0.1:{args.port}"

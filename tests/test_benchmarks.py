@@ -10,11 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_smoke(script: str, out: Path) -> None:
+def run_smoke(script: str, out: Path) -> str:
     path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
                           text=True, timeout=900, env={**os.environ, "OUT": str(out), "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
 
 
 def test_gpu_fastpath_smoke(tmp_path):
@@ -52,3 +53,10 @@ def test_step_anatomy_smoke(tmp_path):
     assert max(results["weights"]["check"].values()) < 1e-3  # every skinny-GEMM variant computes x @ w.T
     assert all(err < 1e-5 for row in results["splits"].values() for key, err in row.items() if key.startswith("err_"))
     assert results["mixed"]["mixed eager"]["host_ms"] > 0
+
+
+def test_front_capacity_smoke(tmp_path):
+    """The API process and a model-less core stream every token requested."""
+    result = json.loads(run_smoke("front_capacity.py", tmp_path).splitlines()[-1])
+    assert result["failed"] == 0 and result["output_tok_s"] > 0
+    assert 0 < result["of_ideal"] <= 1.05 and result["api_process_cores"] > 0
