@@ -1,10 +1,11 @@
 """`tidal bench`: the ShareGPT loader on a cut-off file, argument checks, and CPU smoke
-runs of the serve sweep (two servers in subprocesses) and the offline sweep."""
+runs of the serve sweep (two servers in subprocesses), the offline sweep and the matrix."""
 
 import json
 
 import pytest
 
+from tidal.bench.matrix import Workload, cell_loads, format_matrix, plot_matrix, run_matrix
 from tidal.bench.offline import run_offline_sweep
 from tidal.bench.serve import run_sweep
 from tidal.bench.datasets import random_requests, read_json_array, sharegpt_requests
@@ -139,3 +140,35 @@ def test_offline_sweep_smoke(checkpoint):
     bursty = next(r for r in report["results"] if r["load"].startswith("bursty"))
     assert [(p["clients"], p["completed"], p["output_tokens"]) for p in bursty["phases"]] == [(1, 2, 10), (3, 3, 15)]
     assert "phase 2: 3 clients" in format_report(report)
+
+
+def test_matrix_smoke(checkpoint, tmp_path):
+    """Every mode serves every workload under every load, each workload's own simulated
+    acceptance reaching the server with its requests; goodput's ratio is to the best
+    other mode of its cell."""
+    model = checkpoint("llama")
+    workloads = [Workload("spread", 8, 6, 0.7, {"mean": 0.6, "std": 0.25}), Workload("never", 6, 6, 0.0, 0.0)]
+    loads = cell_loads([1, 3], requests_per_client=1, min_requests=2)
+    drafter = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}  # drafts every step
+    report = run_matrix(["none", "fixed:2", "goodput"], workloads, loads, model=model, spec_config=drafter,
+                        server_args=["--device", "cpu", "--dtype", "float32"], num_warmups=1, server_timeout=120)
+    rows = {(r["workload"], r["mode"], r["load"]): r for r in report["results"]}
+    assert set(rows) == {(w.name, m, load.label) for w in workloads for m in report["modes"] for load in loads}
+    for (workload, mode, load), r in rows.items():
+        n = next(x.total_requests for x in loads if x.label == load)
+        assert r["completed"] == n and r["failed"] == 0 and r["output_tokens"] == n * 6
+        if mode == "none":
+            assert r["drafted_tokens"] == 0
+        if mode == "goodput":
+            best = max(rows[(workload, m, load)]["output_throughput"] for m in ("none", "fixed:2"))
+            assert r["vs_best_other"] == pytest.approx(r["output_throughput"] / best)
+    # Each workload's acceptance reached the server: none of "never"'s drafts was accepted,
+    # some of "spread"'s were.
+    for load in loads:
+        never, spread = rows[("never", "fixed:2", load.label)], rows[("spread", "fixed:2", load.label)]
+        assert never["drafted_tokens"] > 0 and never["accepted_tokens"] == 0
+        assert 0 < spread["accepted_tokens"] <= spread["drafted_tokens"]
+    table = format_matrix(report)
+    assert "spread: 8 prompt / 6 output tokens" in table and "goodput / best other" in table
+    plot_matrix(report, tmp_path / "matrix.png")
+    assert (tmp_path / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -24,7 +24,7 @@ import uvicorn
 from openai import APITimeoutError, AsyncOpenAI, AuthenticationError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidal import EngineConfig
+from tidal import EngineConfig, SamplingParams
 from tidal.demo import DEMO_NAME, default_model_dir, default_speculative_config
 from tidal.engine import EngineCore
 from tidal.server import AsyncEngine, build_app
@@ -284,6 +284,33 @@ def test_engine_failure_fails_its_requests_and_the_server_recovers(checkpoint):
         wait_idle(url)
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=4, **GREEDY).usage.completion_tokens == 4
+
+
+def test_a_consumer_that_falls_behind_takes_the_steps_it_missed_in_one_output(checkpoint):
+    """Steps' outputs for a stream its reader has not taken are merged, not queued: fewer
+    outputs, the same text and tokens as a request read at once."""
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=256))
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+    async def run(delay: float) -> tuple[list[str], object]:
+        req = await asyncio.to_thread(engine.make_request, "Read me slowly", params, stream=True)
+        deltas = []
+        async for _, out in engine.generate([req]):
+            deltas.append(out.outputs[0].delta)
+            await asyncio.sleep(delay)
+        return deltas, out
+
+    async def both():
+        engine.start()
+        try:
+            return await run(0.0), await run(0.1)
+        finally:
+            await engine.stop()
+
+    (fast, fast_final), (slow, slow_final) = asyncio.run(both())
+    assert len(slow) < len(fast) <= 32
+    assert "".join(slow) == "".join(fast) == slow_final.outputs[0].text == fast_final.outputs[0].text
+    assert slow_final.outputs[0].token_ids == fast_final.outputs[0].token_ids and len(slow_final.outputs[0].token_ids) == 32
 
 
 def test_speculation_metrics(checkpoint):
