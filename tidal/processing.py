@@ -61,11 +61,11 @@ class InputProcessor:
             text, ids = prompt, self.encode(prompt)
         else:
             text, ids = None, list(prompt)
-            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
         if not ids:
             raise ValueError("prompt: empty prompt")
-        self.check_prompt_len(len(ids), exact=True)
+        self.check_prompt_len(len(ids), exact=True)  # before reading every id of a list too long
+        if text is None and not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {self.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(f"max_tokens: {len(ids)} prompt tokens + max_tokens {params.max_tokens} are more than "
                              f"max_model_len {self.max_model_len}")

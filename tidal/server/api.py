@@ -222,10 +222,17 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        requests = await asyncio.to_thread(lambda: self._make_requests(
-            response_id, self._completion_prompts(body.prompt), body, body.max_tokens, body.logprobs, "prompt"))
+        prompts = self._completion_prompts(body.prompt)
+
+        def make():
+            return self._make_requests(response_id, prompts, body, body.max_tokens, body.logprobs, "prompt")
+
+        # Token ids need no tokenizer: building them here spares a worker thread's round trip,
+        # which at load waits on the event loop's turns. Text is tokenized off the loop.
+        requests = make() if all(not isinstance(p, str) for p in prompts) else await asyncio.to_thread(make)
         if body.stream:
-            return event_stream(self._stream_completion(response_id, requests, body))
+            outputs = await self._started(requests)
+            return event_stream(self._stream_completion(response_id, len(requests), outputs, body))
         finals = await self._collect(requests, request)
         choices = [CompletionChoice(index=i, text=out.outputs[0].text, finish_reason=out.outputs[0].finish_reason,
                                     logprobs=None if body.logprobs is None
@@ -244,7 +251,8 @@ class OpenAIServing:
         requests = await asyncio.to_thread(lambda: self._make_requests(
             response_id, [self._chat_prompt(body.messages)], body, max_tokens, top_n, "messages"))
         if body.stream:
-            return event_stream(self._stream_chat(response_id, requests, body, top_n))
+            outputs = await self._started(requests)
+            return event_stream(self._stream_chat(response_id, len(requests), outputs, body, top_n))
         finals = await self._collect(requests, request)
         choices = [ChatChoice(index=i, message=AssistantMessage(content=out.outputs[0].text),
                               finish_reason=out.outputs[0].finish_reason,
@@ -334,13 +342,32 @@ class OpenAIServing:
         work.result()
         return finals
 
-    async def _stream_completion(self, response_id: str, requests: list[EngineRequest],
+    async def _started(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """The requests' outputs, once the first has come: a stream's requests reach the core
+        from the handler, not a few of the event loop's turns later when the response's body
+        starts; and an engine that fails before the first token answers with an error status."""
+        outputs = self.engine.generate(requests)
+        try:
+            first = await anext(outputs)
+        except BaseException:
+            await outputs.aclose()
+            raise
+
+        async def from_first():
+            async with aclosing(outputs):
+                yield first
+                async for item in outputs:
+                    yield item
+
+        return from_first()
+
+    async def _stream_completion(self, response_id: str, n: int, outputs: AsyncIterator[tuple[int, RequestOutput]],
                                  body: CompletionRequest) -> AsyncIterator[CompletionResponse]:
         created = int(time.time())
-        finals: list[RequestOutput] = [None] * len(requests)
-        tokens_sent = [0] * len(requests)
-        text_offsets = [0] * len(requests)
-        async with aclosing(self.engine.generate(requests)) as outputs:
+        finals: list[RequestOutput] = [None] * n
+        tokens_sent = [0] * n
+        text_offsets = [0] * n
+        async with aclosing(outputs):
             async for i, out in outputs:
                 completion = out.outputs[0]
                 logprobs = None
@@ -355,8 +382,8 @@ class OpenAIServing:
             yield CompletionResponse(id=response_id, created=created, model=self.model_name, choices=[],
                                      usage=usage(finals, body.n))
 
-    async def _stream_chat(self, response_id: str, requests: list[EngineRequest], body: ChatCompletionRequest,
-                           top_n: int | None) -> AsyncIterator[ChatCompletionChunk]:
+    async def _stream_chat(self, response_id: str, n: int, outputs: AsyncIterator[tuple[int, RequestOutput]],
+                           body: ChatCompletionRequest, top_n: int | None) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -364,10 +391,10 @@ class OpenAIServing:
                                        usage=usage)
 
         yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(len(requests))])
-        finals: list[RequestOutput] = [None] * len(requests)
-        tokens_sent = [0] * len(requests)
-        async with aclosing(self.engine.generate(requests)) as outputs:
+                     for i in range(n)])
+        finals: list[RequestOutput] = [None] * n
+        tokens_sent = [0] * n
+        async with aclosing(outputs):
             async for i, out in outputs:
                 completion = out.outputs[0]
                 logprobs = None if top_n is None else self._chat_logprobs(completion, tokens_sent[i], top_n)
