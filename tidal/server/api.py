@@ -261,7 +261,7 @@ class OpenAIServing:
         return ChatCompletionResponse(id=response_id, created=int(time.time()), model=self.model_name,
                                       choices=choices, usage=usage(finals, body.n))
 
-    # -- building engine requests (on a worker thread: they tokenize) --------------------
+    # -- building engine requests (on a worker thread when they tokenize text) ----------
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

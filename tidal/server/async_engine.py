@@ -1,10 +1,10 @@
 """The API process's side of the engine: the core runs in its own process
 (`core_process.run_core`), and this bridges it to asyncio.
 
-Requests are made here (`InputProcessor`, tokenization included, off the event loop) and
+Requests are made here (`InputProcessor`; a text is tokenized off the event loop) and
 sent to the core; the core's step outputs come back in one message per step, which a
 reader thread hands to the loop (`call_soon_threadsafe`), where it is detokenized
-(`OutputProcessor`) and routed into per-request asyncio queues. A sender thread writes to
+(`OutputProcessor`) and routed to each `generate` call's `Outputs`. A sender thread writes to
 the core, so the event loop never waits on the pipe. If the core process dies, every open
 request ends with an `EngineError` and `on_death` is called (the server then exits).
 """
@@ -101,7 +101,7 @@ class AsyncEngine:
         self._outbox.put(None)  # ends the writer
 
     def make_request(self, *args, **kwargs) -> Request:
-        """`InputProcessor.make_request` (it tokenizes: call it off the event loop)."""
+        """`InputProcessor.make_request` (a text prompt is tokenized: call it off the event loop)."""
         return self.inputs.make_request(*args, **kwargs)
 
     async def generate(self, requests: list[Request]) -> AsyncIterator[tuple[int, RequestOutput]]:
