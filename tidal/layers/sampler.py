@@ -20,7 +20,7 @@ from tidal.batch import to_device
 from tidal.config import SamplingParams
 
 STREAM_SAMPLE = 0   # token sampling (plain decode, and the resample/bonus token of verification)
-STREAM_ACCEPT = 1   # accept/reject tests of speculative verification
+STREAM_ACCEPT = 1   # simulated acceptance's draws (benchmarks), apart from the tokens' own
 
 # From this many rows on, CUDA finds the top-p threshold by `fused.top_p_threshold`'s search
 # rather than a sort of the vocabulary: the two were even at 64 rows on an H200, the sort
