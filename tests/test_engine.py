@@ -230,8 +230,23 @@ def test_async_scheduling_changes_no_output(checkpoint):
     assert [r[1] for r in runs[True]] == ["length", "stop", "length", "stop", "length", "length"]
 
 
-def test_abort_while_a_step_is_queued_ahead(checkpoint):
+def test_a_cpu_step_returns_the_forward_it_ran(checkpoint):
+    """A CPU forward runs as it is launched, so by default nothing is queued behind it: each
+    step runs one forward and returns its tokens, not held back behind the next one's."""
     llm = LLM(model=checkpoint("llama"), page_size=8)
+    engine, launches = llm.engine, []
+    launch = engine.core.runner.launch
+    engine.core.runner.launch = lambda *args: launches.append(1) or launch(*args)
+    engine.add_request(engine.make_request([3, 4, 5], greedy(max_tokens=4), stream=True))
+    for n in range(1, 5):
+        out = engine.step()
+        assert len(launches) == 1 and [len(o.outputs[0].token_ids) for o in out] == [n]
+        launches.clear()
+    assert not engine.has_unfinished() and engine.stats()["num_steps_ahead"] == 0
+
+
+def test_abort_while_a_step_is_queued_ahead(checkpoint):
+    llm = LLM(model=checkpoint("llama"), page_size=8, async_scheduling=True)
     engine = llm.engine
     reqs = [engine.make_request(p, greedy()) for p in prompts(3, seed=2)]
     for req in reqs:

@@ -541,7 +541,7 @@ def test_each_step_is_observed_with_the_decision_it_was_made_from(models, tmp_pa
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 9, 17, 30, 5, 12)]
     plain = [o.outputs[0].token_ids for o in LLM(model=models["target"], page_size=4).generate(
         prompts, params, use_tqdm=False)]
-    llm = LLM(model=models["target"], page_size=4, max_num_seqs=3,
+    llm = LLM(model=models["target"], page_size=4, max_num_seqs=3, async_scheduling=True,
               speculative_config=spec(models, "draft_model", cost_model="online", decision_log=str(log)))
     inject(llm, overhead_plus_tokens())
     llm.engine.core.scheduler.policy.log = open(log, "a", buffering=1)

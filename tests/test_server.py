@@ -68,7 +68,9 @@ def always_drafting_core(config):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=1024))
+    # Steps queued ahead, as on a GPU (a CPU engine does not plan ahead by default).
+    engine = AsyncEngine(EngineConfig(model=checkpoint("llama"), dtype="float32", page_size=8, num_pages=1024,
+                                      async_scheduling=True))
     with uvicorn_thread(build_app(engine, MODEL)) as url:
         yield url
 

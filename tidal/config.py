@@ -205,7 +205,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str | None = None  # None = "triton" on cuda, "torch" on cpu
     enforce_eager: bool = False           # cuda: no CUDA graphs (debugging)
-    async_scheduling: bool = True         # queue the next step behind one whose rows all sample
+    async_scheduling: bool | None = None  # queue the next step behind one whose rows all sample; None: on cuda
     load_format: str = "safetensors"      # "dummy": random weights from config.json (speed runs)
     seed: int = 0
     speculative_config: SpecConfig | None = field(default=None)
@@ -213,6 +213,11 @@ class EngineConfig:
     def __post_init__(self):
         if self.device == "auto":
             object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        if self.async_scheduling is None:
+            # A CPU forward runs as it is launched: a step queued behind it would overlap
+            # nothing, only hold back this step's tokens by a step and show the policy the
+            # next step's time as this one's.
+            object.__setattr__(self, "async_scheduling", self.device != "cpu")
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
