@@ -12,7 +12,8 @@
 #   matrix   `tidal bench matrix` with MATRIX_ARGS
 #   front    what the API process streams when the core costs nothing (benchmarks/front_capacity.py)
 #   profile  http's c=256 load on this tree's server, with py-spy (if on PATH) sampling the API
-#            process, the engine core's process and the benchmark client for 15 s each
+#            process, the engine core's process and the benchmark client for PROFILE_SECONDS (15)
+#            from PROFILE_DELAY (20) s after the load starts (1: the first wave's admission)
 # Usage: PARTS="http w2 w3" OUT=dir [OLD_TREE=dir] [SMOKE=1] bash benchmarks/field_check.sh
 # Logs and JSON go to a work folder, packed into $OUT/field.tgz after every part.
 set -uo pipefail
@@ -89,11 +90,11 @@ for part in ${PARTS:-http w2 w3}; do
         sleep 1; kill -0 $server || break; done
       tidal bench serve --base-url http://127.0.0.1:8178 --label profile --model "$M/target" "${W2[@]}" \
         --concurrency 256 --num-prompts 768 --output-json "$OUT/profile_c256.json" 2>/dev/null | tail -4 &
-      bench=$!; sleep 20
+      bench=$!; sleep ${PROFILE_DELAY:-20}
       core=$(pgrep -P $server -f spawn_main | head -1) client=$(pgrep -f "label profile" | head -1)
       top -b -n 1 -w 200 | head -20 >"$OUT/profile_top.txt"
       for who in server core client; do
-        py-spy record -p ${!who} -d 15 -r 100 -f raw --threads --nonblocking -o "$OUT/profile_$who.txt" \
+        py-spy record -p ${!who} -d ${PROFILE_SECONDS:-15} -r 100 -f raw --threads --nonblocking -o "$OUT/profile_$who.txt" \
           >"$OUT/profile_$who.log" 2>&1 &
       done
       wait $bench; kill -INT $server; wait $server ;;

@@ -102,6 +102,9 @@ def check_rows(report: dict, loads, requests_per_load: int, output_len: int) -> 
         assert r["output_tokens"] == r["requested_output_tokens"] == n * output_len
         assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
         assert 0 < r["median_ttft_ms"] and 0 < r["median_tpot_ms"] <= r["p99_tpot_ms"]
+        times = r["request_times_ms"]  # each request's [sent, first token, end], from the first sent
+        assert len(times) == n and min(t[0] for t in times) == 0 and all(0 <= a < b <= c for a, b, c in times)
+        assert max(t[2] for t in times) == pytest.approx(1000 * r["duration_s"], rel=0.05, abs=50)
         baseline = rows[(report["baseline"], load)]
         assert r["ratio"] == pytest.approx(r["output_throughput"] / baseline["output_throughput"])
         assert r["accepted_tokens"] <= r["drafted_tokens"]

@@ -189,6 +189,19 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
     }
 
 
+def request_times(records: list[RequestRecord]) -> list[list[float]]:
+    """[sent, first token, end] of each request, in ms from the first one sent (None where it
+    failed): when each request got its tokens, so that a run's first wave, its steady state
+    and its tail can be told apart."""
+    zero = min((r.start for r in records), default=0.0)
+
+    def ms(t):
+        return round(1000 * (t - zero), 1)
+
+    return [[ms(r.start), ms(r.chunk_times[0]) if r.chunk_times else None, ms(r.end) if r.error is None else None]
+            for r in records]
+
+
 def spec_delta(before: dict, after: dict) -> dict:
     """Speculation during a run, from two snapshots {drafted, accepted, draft_steps,
     k_counts}: the acceptance rate, the mean accepted length (accepted drafts + 1 per
@@ -213,7 +226,8 @@ def summarize_run(mode: str, load: Load, records: list[RequestRecord], duration:
                   spans: list[tuple[int, float]], spec_before: dict, spec_after: dict) -> dict:
     """One row of the report: a mode under a load. `spans` are (phase, seconds) of each
     closed-loop phase as it ran; a load of several phases also gets a summary per phase."""
-    row = {"mode": mode, "load": load.label, **summarize(records, duration), **spec_delta(spec_before, spec_after)}
+    row = {"mode": mode, "load": load.label, **summarize(records, duration), **spec_delta(spec_before, spec_after),
+           "request_times_ms": request_times(records)}
     if len(load.phases) > 1 or load.cycles > 1:
         row["phases"] = [
             {"clients": clients, **summarize([r for r in records if r.phase == i],

@@ -218,7 +218,8 @@ class Goodput:
                 # The drafts' own time (none where online corrections left a wider cell cheaper),
                 # taxed by `draft_premium`, and at least by what the cost model misses of a plain
                 # step: a draft must win by more than the prices' own error.
-                drafts = np.maximum(step - self.cost.step_time(b, 0, 0, 0, context, shared), 0.0)
+                plain = self.cost.step_time(b, 0, 0, 0, context, shared) if prompt else plain_step
+                drafts = np.maximum(step - plain, 0.0)
                 step += np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * plain_step), 0.0)
                 return (step + self.cost.token_cost() * (prompt - shared)
                         + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
@@ -262,13 +263,13 @@ class Goodput:
         self.previous = dict(zip(requests, ks.tolist()))
 
         def worth(ks):
-            """Seconds of the step, catch-up in full and taxed by the prices' error as drafts
-            are, and its expected tokens."""
-            n = int(ks.sum())
-            seconds = self.cost.step_time(b, n, ks.max(), np.count_nonzero(ks), context,
-                                          min(max(room - n, 0), demand), backlog[ks > 0].sum())
-            return float(seconds) + (self.cost.error * plain_step if n else 0.0), \
-                b + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
+            """For each row of ks (K per request): seconds of the step, catch-up in full and
+            taxed by the prices' error as drafts are, and its expected tokens."""
+            n = ks.sum(axis=1)
+            seconds = self.cost.step_time(b, n, ks.max(axis=1), np.count_nonzero(ks, axis=1), context,
+                                          np.minimum(np.maximum(room - n, 0), demand), (ks > 0) @ backlog)
+            drafted = np.arange(gain.shape[1]) < ks[:, :, None]
+            return seconds + np.where(n > 0, self.cost.error * plain_step, 0.0), b + (gain * drafted).sum(axis=(1, 2))
 
         # No probes while prompts wait for the budget: the batch is still growing, and what
         # a probe would learn is worth most once the load has settled.
@@ -343,7 +344,7 @@ class Goodput:
         chosen = idle[np.argsort(-age[idle], kind="stable")[:room]]
         probed = ks.copy()
         probed[chosen] = 1
-        (seconds, tokens), (probe_seconds, probe_tokens) = worth(ks), worth(probed)
+        (seconds, probe_seconds), (tokens, probe_tokens) = worth(np.stack([ks, probed]))
         interval = self.probe_interval * (probe_seconds / seconds - probe_tokens / tokens) / self.probe_overhead
         chosen = chosen[age[chosen] >= interval]
         if not len(chosen) or not (ks.any() or self.steps_since_drafting >= interval):
