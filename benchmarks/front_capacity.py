@@ -76,7 +76,7 @@ class ClockCore:
         self.num_steps += 1
         outputs = []
         for req in list(self.running.values()):
-            token = 100 + len(req.token_ids) % 50  # ordinary tokens: they detokenize to text
+            token = 300 + len(req.token_ids) % 50  # the demo tokenizer's words (100-149 are lone bytes)
             req.token_ids.append(token)
             req.first_token_time = req.first_token_time or time.monotonic()
             self.num_generated_tokens += 1

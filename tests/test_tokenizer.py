@@ -5,7 +5,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tidal.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from tidal.tokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
 
 CORPUS = [
     "héllo wörld 日本語 🙂",
@@ -116,6 +116,20 @@ def test_special_tokens_are_skipped(byte_level_dir):
     ids = tok.encode("hello", add_special_tokens=False) + [2] + tok.encode(" world", add_special_tokens=False)
     deltas, _ = stream(tok, ids, [1] * len(ids))
     assert "".join(deltas) == "hello world"
+
+
+def test_tokens_without_text_do_not_widen_the_window(byte_level_dir):
+    """Special tokens (skipped) and ids beyond the tokenizer's vocabulary (a model's padded
+    embedding) decode to nothing: a long run of them must not make each later step decode
+    them all again."""
+    tok = Tokenizer.from_pretrained(byte_level_dir)
+    ids = tok.encode("hello", add_special_tokens=False) + [2] * 300 + [len(tok.hf) + 5] * 300 \
+        + tok.encode(" world", add_special_tokens=False)
+    decoded, decode = [], tok.decode
+    tok.decode = lambda window, skip=True: decoded.append(len(window)) or decode(window, skip)
+    deltas, _ = stream(tok, ids, [1] * len(ids), prompt_ids=tok.encode("say", add_special_tokens=False))
+    assert "".join(deltas) == decode(ids) == "hello world"
+    assert max(decoded) <= 2 * PROMPT_CONTEXT_TOKENS
 
 
 def test_trailing_incomplete_character_is_held_until_flush(byte_level_dir):

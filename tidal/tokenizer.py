@@ -124,7 +124,6 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
-        self._num_context = len(self._ids)
         self._prefix_offset = 0              # window start: first context token
         self._read_offset = len(self._ids)   # first token whose text is not out yet
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -136,11 +135,6 @@ class IncrementalDetokenizer:
     def released_text(self) -> str:
         """The text handed out by `add` and `flush` so far."""
         return self.text[:self._emitted]
-
-    @property
-    def num_tokens(self) -> int:
-        """Output tokens given to `add` so far."""
-        return len(self._ids) - self._num_context
 
     @property
     def stopped(self) -> bool:
@@ -169,7 +163,14 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
         full = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
-        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+        if full == prefix and prefix:
+            # Tokens without text after some (skipped special tokens, ids beyond the
+            # tokenizer's vocabulary) give none beside later ones either: drop them, or every
+            # later call would decode them again, in a window growing with them. (At the start
+            # of the text, a SentencePiece space token decodes to nothing yet counts.)
+            del self._ids[self._read_offset:]
+            return ""
+        if len(full) < len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
