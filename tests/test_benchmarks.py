@@ -60,3 +60,28 @@ def test_front_capacity_smoke(tmp_path):
     result = json.loads(run_smoke("front_capacity.py", tmp_path).splitlines()[-1])
     assert result["failed"] == 0 and result["output_tok_s"] > 0
     assert 0 < result["of_ideal"] <= 1.05 and result["api_process_cores"] > 0
+
+
+def run_tool(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_policy_host_time_tool(tmp_path):
+    """Its K follows the prices: none with drafts priced as a whole step, long ones nearly free."""
+    run_tool("policy_host_time.py", "--batch-sizes", "1,8", "--steps", "40", "--out", str(tmp_path / "t.json"))
+    rows = {(r["draft_price"], r["batch"]): r for r in json.loads((tmp_path / "t.json").read_text())}
+    assert all(r["choose_us"] > 0 and r["observe_us"] > 0 for r in rows.values())
+    assert rows[(1.0, 8)]["mean_k"] < 0.5 < 3 < rows[(0.02, 8)]["mean_k"]
+
+
+def test_offline_interleaved_tool(tmp_path):
+    """Every mode runs every load in every round, on the demo pair."""
+    run_tool("offline_interleaved.py", "--modes", "off,goodput", "--concurrency", "1,2", "--num-prompts", "2",
+             "--random-output-len", "4", "--rounds", "2", "--output-json", str(tmp_path / "i.json"))
+    report = json.loads((tmp_path / "i.json").read_text())
+    assert len(report["rows"]) == 2 * 2 * 2 and all(r["completed"] == 2 and r["failed"] == 0 for r in report["rows"])
+    off = [s for s in report["summary"] if s["mode"] == "off"]
+    assert len(report["summary"]) == 4 and all(s["ratios"] == [1.0, 1.0] for s in off)
