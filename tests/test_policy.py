@@ -212,6 +212,21 @@ def test_probe_refreshes_a_request_stuck_at_zero():
     assert k == K
 
 
+def test_a_plain_decision_stands_while_its_inputs_do():
+    """K = 0 for a batch is not decided again while the batch, its limits and the waiting
+    prompts stay and no probe is due; anything else is a new decision."""
+    policy, rng = Goodput(overhead_plus_tokens(), K, probe_interval=8), random.Random(0)
+    reqs = make_requests(3)
+    logs = [step(policy, reqs, [0.0] * 3, rng).note.log for _ in range(40)]
+    reused = [log.get("reused", False) for log in logs]
+    assert sum(reused) >= 20 and policy.num_probes > 0  # probes still come, between reused decisions
+    assert all(not any(log["k"]) for log, r in zip(logs, reused) if r)
+    assert not policy.choose(reqs + make_requests(1), [K] * 4, 0).note.log.get("reused")  # a request joined
+    assert not policy.choose(reqs + make_requests(1), [K] * 3 + [1], 0).note.log.get("reused")  # a limit moved
+    waiting = Goodput(overhead_plus_tokens(), K, demand=lambda limit: 8)
+    assert not any(waiting.choose(reqs, [K] * 3, 1).note.log.get("reused", False) for _ in range(10))
+
+
 def test_probes_are_rarer_where_verification_is_expensive():
     # CUDA graphs pad every row to the widest: a probe makes the whole step twice as long.
     padded = CostModel.from_function(lambda b, w: 1e-4 * b * w, *grid_axes(256, K), padded=True,

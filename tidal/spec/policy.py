@@ -145,6 +145,12 @@ class Goodput:
     now and then (a probe, see `_probe`), so that its acceptance estimate does not stay
     stale where it was left.
 
+    A decision of K = 0 for everyone is not made again while nothing it was made from has
+    changed (the same requests and limits, no prompt waiting): the estimates move only when
+    requests draft, so until the next probe falls due (at most `probe_interval` decisions, the
+    time prices are left to drift) it would come out the same. On a CPU, whose forward runs
+    as it is launched, the decision's host time is otherwise paid on every plain step.
+
     Prices go stale too: a width the policy does not run keeps the price it was last seen
     at, and a price too high is never seen to be. So every `explore_interval` decisions,
     while every request drafts and no prompt waits, a uniform K one below or one above the
@@ -177,7 +183,9 @@ class Goodput:
         self.log = open(decision_log, "a", buffering=1) if decision_log else None
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.steps_since_drafting = 0
-        self.num_decisions = self.num_held = self.num_probes = self.num_explored = 0
+        # A K = 0 decision stands, while its inputs stay, until this decision number (see choose).
+        self.plain: tuple[list[Request], list[int], int, dict] | None = None
+        self.num_decisions = self.num_held = self.num_probes = self.num_explored = self.num_reused = 0
         self.predicted = self.observed = 0.0
 
     # -- deciding --------------------------------------------------------------------------
@@ -187,17 +195,29 @@ class Goodput:
         if self.num_decisions % 64 == 0:
             self.acceptance.release_finished()
         b = len(requests)
-        limit = np.asarray(limits, dtype=np.int64)
         rows = self.acceptance.rows(requests)
         self.acceptance.age[rows] += 1
+        room = max(self.token_budget - b, 0)
+        demand = min(self.demand(room), room) if self.demand else 0
+        if self.plain is not None:
+            # K = 0 for everyone stands while what it was chosen from stays: the same requests
+            # and limits, no prompt waiting, estimates that only drafting moves, and until a
+            # probe falls due. The decision is then the same, and not deciding it again saves
+            # the host time a CPU, whose forward cannot hide it, pays on every step.
+            same, same_limits, until, log = self.plain
+            if not demand and self.num_decisions < until and same == requests and same_limits == limits:
+                self.steps_since_drafting += 1
+                self.num_reused += 1
+                return Choice([0] * b, Decision(dict.fromkeys(requests, 0), 0, {
+                    **log, "step": self.num_decisions, "waiting": num_waiting, "reused": True}))
+            self.plain = None
+        limit = np.asarray(limits, dtype=np.int64)
         length, prompt, missed, most = np.array([(len(r.token_ids), r.num_prompt_tokens, r.num_computed - r.num_absorbed,
                                                   r.params.max_tokens) for r in requests]).T
         context = int(length.sum())
         left = most - (length - prompt)  # tokens the request may still produce
         backlog = np.maximum(missed - self.acceptance.max_draft_len - 1, 0)  # past what a verify step leaves
         cap = self._draft_cap(b)
-        room = max(self.token_budget - b, 0)
-        demand = min(self.demand(room), room) if self.demand else 0
         gain = np.cumprod(self.acceptance.estimates(rows)[:, :limit.max()], axis=1)
         gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
 
@@ -273,15 +293,18 @@ class Goodput:
 
         # No probes while prompts wait for the budget: the batch is still growing, and what
         # a probe would learn is worth most once the load has settled.
-        ks, probes = self._probe(ks, limit, rows, cap, worth) if not demand else (ks, [])
+        ks, probes, wait = self._probe(ks, limit, rows, cap, worth) if not demand else (ks, [], 1)
         catch_up = int(backlog[ks > 0].sum())
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += held
         self.num_explored += explored
         self.num_probes += len(probes)
-        return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, {
-            "step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
-            "held": held, "explored": explored, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate, "catch_up": catch_up}))
+        log = {"step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
+               "held": held, "explored": explored, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate,
+               "catch_up": catch_up}
+        if not ks.any() and not demand:
+            self.plain = (list(requests), list(limits), self.num_decisions + min(wait, self.probe_interval), log)
+        return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
 
     @staticmethod
     def _candidates(gain, limit, brings, cap):
@@ -335,23 +358,26 @@ class Goodput:
         in proportion otherwise, so that probes take about probe_overhead / probe_interval
         of the time: a request whose estimate almost pays is probed often (a run of
         rejections cannot park it at K = 0 for good), one with a long history at high load
-        rarely."""
+        rarely. Returns the K with the probes, the rows probed, and how many decisions from
+        now a probe could come at the earliest, all else staying."""
         age = self.acceptance.age[rows]
         idle = np.flatnonzero((ks == 0) & (limit > 0))
         room = min(self.max_probes, cap - int(ks.sum()))
         if room <= 0 or not len(idle):
-            return ks, []
+            return ks, [], self.probe_interval
         chosen = idle[np.argsort(-age[idle], kind="stable")[:room]]
         probed = ks.copy()
         probed[chosen] = 1
         (seconds, probe_seconds), (tokens, probe_tokens) = worth(np.stack([ks, probed]))
         interval = self.probe_interval * (probe_seconds / seconds - probe_tokens / tokens) / self.probe_overhead
+        # Decisions until one could probe (ages and steps_since_drafting grow by one a decision).
+        wait = max(1, int(np.ceil(interval - min(age[idle].max(), self.steps_since_drafting))))
         chosen = chosen[age[chosen] >= interval]
         if not len(chosen) or not (ks.any() or self.steps_since_drafting >= interval):
-            return ks, []
+            return ks, [], wait
         probed = ks.copy()
         probed[chosen] = 1
-        return probed, chosen.tolist()
+        return probed, chosen.tolist(), wait
 
     # -- learning --------------------------------------------------------------------------
 
@@ -391,6 +417,7 @@ class Goodput:
             "num_held": self.num_held,
             "num_explored": self.num_explored,
             "num_probes": self.num_probes,
+            "num_reused": self.num_reused,
             "step_time": {"predicted_s": self.predicted, "observed_s": self.observed,
                           "mean_abs_rel_error": self.cost.error, "num_observed": self.cost.num_observed},
             "acceptance_per_position": self.acceptance.server().tolist(),
