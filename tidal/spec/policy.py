@@ -200,10 +200,7 @@ class Goodput:
         room = max(self.token_budget - b, 0)
         demand = min(self.demand(room), room) if self.demand else 0
         if self.plain is not None:
-            # K = 0 for everyone stands while what it was chosen from stays: the same requests
-            # and limits, no prompt waiting, estimates that only drafting moves, and until a
-            # probe falls due. The decision is then the same, and not deciding it again saves
-            # the host time a CPU, whose forward cannot hide it, pays on every step.
+            # The last K = 0 decision stands while its inputs do (see the class docstring).
             same, same_limits, until, log = self.plain
             if not demand and self.num_decisions < until and same == requests and same_limits == limits:
                 self.steps_since_drafting += 1
