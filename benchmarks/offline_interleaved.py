@@ -19,7 +19,7 @@ import statistics
 from tidal import LLM
 from tidal.bench.datasets import random_requests
 from tidal.bench.offline import engine_counters, run_load_offline
-from tidal.bench.workload import build_loads, mode_spec_config, parse_modes, summarize_run
+from tidal.bench.workload import build_loads, mode_spec_config, parse_modes, summarize_run, warm_up_load
 from tidal.demo import default_model_dir, default_speculative_config
 from tidal.tokenizer import Tokenizer
 
@@ -42,9 +42,9 @@ def main() -> None:
     loads = build_loads(args.concurrency, None, None, 1, args.num_prompts)
     tokenizer = Tokenizer.from_pretrained(model)
     engines = {m: LLM(model=model, speculative_config=mode_spec_config(m, spec)).engine for m in modes}
-    for engine in engines.values():  # warm-up: first steps, allocator
-        warm, _ = random_requests(tokenizer, 2, args.random_input_len, args.random_output_len, seed=10**6)
-        run_load_offline(engine, build_loads("2", None, None, 1, 2)[0], warm, seed=0)
+    warm, _ = random_requests(tokenizer, 2, args.random_input_len, args.random_output_len, seed=10**6)
+    for engine in engines.values():  # first steps, allocator
+        run_load_offline(engine, warm_up_load(warm), warm, seed=0)
     rows = []
     for r in range(args.rounds):
         for i, load in enumerate(loads):

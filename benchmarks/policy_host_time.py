@@ -49,10 +49,11 @@ def time_policy(batch: int, steps: int, acceptance: float, draft_price: float, m
         policy.observe(plan, result, seconds)
         observe_s.append(time.perf_counter() - t)
         ks.append(float(np.mean(choice)))
-        for req, n in zip(requests, accepted):  # commit: the drafter is caught up when it drafted
+        for req, k, n in zip(requests, choice, accepted):  # commit: the drafter is caught up where it drafted
             req.token_ids.extend([7] * n)
             req.num_computed = len(req.token_ids) - 1
-            req.num_absorbed = req.num_computed if choice[requests.index(req)] else req.num_absorbed
+            if k:
+                req.num_absorbed = req.num_computed
     warm = steps // 4
     return {"batch": batch, "steps": steps - warm, "choose_us": 1e6 * float(np.median(choose_s[warm:])),
             "observe_us": 1e6 * float(np.median(observe_s[warm:])), "mean_k": float(np.mean(ks[warm:]))}

@@ -82,6 +82,11 @@ def test_offline_interleaved_tool(tmp_path):
     run_tool("offline_interleaved.py", "--modes", "off,goodput", "--concurrency", "1,2", "--num-prompts", "2",
              "--random-output-len", "4", "--rounds", "2", "--output-json", str(tmp_path / "i.json"))
     report = json.loads((tmp_path / "i.json").read_text())
-    assert len(report["rows"]) == 2 * 2 * 2 and all(r["completed"] == 2 and r["failed"] == 0 for r in report["rows"])
-    off = [s for s in report["summary"] if s["mode"] == "off"]
-    assert len(report["summary"]) == 4 and all(s["ratios"] == [1.0, 1.0] for s in off)
+    rows = report["rows"]
+    assert len(rows) == 2 * 2 * 2 and all(r["completed"] == 2 and r["failed"] == 0 for r in rows)
+    # Each load of a round runs every mode, the modes' order rotating from round to round.
+    assert [(r["round"], r["load"], r["mode"]) for r in rows[:4]] == [
+        (0, "c=1", "off"), (0, "c=1", "goodput"), (0, "c=2", "off"), (0, "c=2", "goodput")]
+    assert [r["mode"] for r in rows[4:6]] == ["goodput", "off"]
+    goodput = [s for s in report["summary"] if s["mode"] == "goodput"]
+    assert len(goodput) == 2 and all(len(s["ratios"]) == 2 and s["median_ratio"] > 0 for s in goodput)
