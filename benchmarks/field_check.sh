@@ -9,11 +9,13 @@
 #   w3       W3 (2048-token prompts) at 256 clients, goodput over HTTP: no request may fail
 #   b1       batch-1 sampled decode, plain and EAGLE-3 K = 4 (benchmarks/sampled_b1.py), this tree
 #            and OLD_TREE
-#   matrix   `tidal bench matrix` with MATRIX_ARGS
+#   matrix   `tidal bench matrix` with MATRIX_ARGS, with goodput's decision log
 #   front    what the API process streams when the core costs nothing (benchmarks/front_capacity.py)
 #   profile  http's c=256 load on this tree's server, with py-spy (if on PATH) sampling the API
 #            process, the engine core's process and the benchmark client for PROFILE_SECONDS (15)
 #            from PROFILE_DELAY (20) s after the load starts (1: the first wave's admission)
+#   specprofile  the same for W5 (256/256, temperature 0.7, SIMULATED acceptance per request,
+#            mean 0.6, std 0.25) at 32 clients, a server per mode of PROFILE_MODES (fixed:4 goodput)
 # Usage: PARTS="http w2 w3" OUT=dir [OLD_TREE=dir] [SMOKE=1] bash benchmarks/field_check.sh
 # Logs and JSON go to a work folder, packed into $OUT/field.tgz after every part.
 set -uo pipefail
@@ -27,6 +29,8 @@ DEVICE=$([ -n "${SMOKE:-}" ] && echo cpu || echo cuda)  # SMOKE=1: tiny shapes o
 ENGINE=(--model "$M/target" --load-format dummy --device $DEVICE)
 HEAD="\"method\": \"eagle3\", \"model\": \"$M/eagle3\", \"num_speculative_tokens\": 4"
 W2=(--random-input-len 512 --random-output-len 192 --temperature 0.7 --num-warmups 2)
+W5=(--random-input-len 256 --random-output-len 256 --temperature 0.7 --num-warmups 2)
+W5_ACCEPTANCE='{"mean": 0.6, "std": 0.25}'
 
 serve_and_bench() {  # LABEL TREE: a server from source tree TREE (. = this one), driven at 1 and 256 clients
   local label=$1 tree=$2 port=8177
@@ -58,6 +62,25 @@ for _ in range(1200):
   kill -INT $pid; wait $pid
 }
 
+profile_load() {  # LABEL SERVER_FLAGS... -- BENCH_FLAGS...: a server under load, py-spy on its processes
+  local label=$1 server_flags=() bench_flags=(); shift
+  while [ "$1" != -- ]; do server_flags+=("$1"); shift; done; shift; bench_flags=("$@")
+  python3 -m tidal serve "${ENGINE[@]}" "${server_flags[@]}" --port 8178 >"$OUT/server_$label.log" 2>&1 &
+  local server=$!
+  until python3 -c "import httpx; httpx.get('http://127.0.0.1:8178/health').raise_for_status()" 2>/dev/null; do
+    sleep 1; kill -0 $server || break; done
+  tidal bench serve --base-url http://127.0.0.1:8178 --label $label --model "$M/target" "${bench_flags[@]}" \
+    --output-json "$OUT/${label}_load.json" 2>/dev/null | tail -4 &
+  local bench=$!; sleep ${PROFILE_DELAY:-20}
+  local core=$(pgrep -P $server -f spawn_main | head -1) client=$(pgrep -f "label $label" | head -1)
+  top -b -n 1 -w 200 | head -20 >"$OUT/${label}_top.txt"
+  for who in server core client; do
+    py-spy record -p ${!who} -d ${PROFILE_SECONDS:-15} -r 100 -f raw --threads --nonblocking \
+      -o "$OUT/${label}_$who.txt" >"$OUT/${label}_$who.log" 2>&1 &
+  done
+  wait $bench; kill -INT $server; wait $server
+}
+
 for part in ${PARTS:-http w2 w3}; do
   echo "=== $part"; start=$SECONDS
   case $part in
@@ -84,22 +107,16 @@ for part in ${PARTS:-http w2 w3}; do
     front)
       PYTHONPATH=$PYTHONPATH:benchmarks python3 benchmarks/front_capacity.py 2>/dev/null | tee "$OUT/front.json" ;;
     profile)
-      python3 -m tidal serve "${ENGINE[@]}" --no-speculation --port 8178 >"$OUT/server_profile.log" 2>&1 &
-      server=$!
-      until python3 -c "import httpx; httpx.get('http://127.0.0.1:8178/health').raise_for_status()" 2>/dev/null; do
-        sleep 1; kill -0 $server || break; done
-      tidal bench serve --base-url http://127.0.0.1:8178 --label profile --model "$M/target" "${W2[@]}" \
-        --concurrency 256 --num-prompts 768 --output-json "$OUT/profile_c256.json" 2>/dev/null | tail -4 &
-      bench=$!; sleep ${PROFILE_DELAY:-20}
-      core=$(pgrep -P $server -f spawn_main | head -1) client=$(pgrep -f "label profile" | head -1)
-      top -b -n 1 -w 200 | head -20 >"$OUT/profile_top.txt"
-      for who in server core client; do
-        py-spy record -p ${!who} -d ${PROFILE_SECONDS:-15} -r 100 -f raw --threads --nonblocking -o "$OUT/profile_$who.txt" \
-          >"$OUT/profile_$who.log" 2>&1 &
-      done
-      wait $bench; kill -INT $server; wait $server ;;
+      profile_load profile --no-speculation -- "${W2[@]}" --concurrency 256 --num-prompts 768 ;;
+    specprofile)
+      for mode in ${PROFILE_MODES:-fixed:4 goodput}; do
+        k=${mode#fixed:}; [ "$k" = "$mode" ] && k=4
+        spec="{\"method\": \"eagle3\", \"model\": \"$M/eagle3\", \"num_speculative_tokens\": $k, \"policy\": \"${mode%%:*}\", \"simulate_acceptance\": $W5_ACCEPTANCE}"
+        profile_load "${mode/:/}" --speculative-config "$spec" -- "${W5[@]}" --concurrency 32 --num-prompts 192
+      done ;;
     matrix)
-      tidal bench matrix "${ENGINE[@]}" --speculative-config "{$HEAD, \"simulate_acceptance\": 0.7}" \
+      tidal bench matrix "${ENGINE[@]}" \
+        --speculative-config "{$HEAD, \"simulate_acceptance\": 0.7, \"decision_log\": \"$OUT/decisions_matrix.jsonl\"}" \
         ${MATRIX_ARGS:-} --output-json "$OUT/matrix.json" --output-png "$OUT/matrix.png" \
         --server-log "$OUT/matrix_servers.log" 2>"$OUT/matrix.log" ;;
   esac

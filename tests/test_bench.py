@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from tidal.bench.matrix import Workload, cell_loads, format_matrix, plot_matrix, run_matrix
+from tidal.bench.matrix import Workload, cell_loads, cell_rate, format_matrix, plot_matrix, run_matrix
 from tidal.bench.offline import run_offline_sweep
 from tidal.bench.serve import run_sweep
 from tidal.bench.datasets import random_requests, read_json_array, sharegpt_requests
 from tidal.bench.report import format_report, plot, write_json
-from tidal.bench.workload import build_loads, mode_spec_config, parse_bursty, parse_modes
+from tidal.bench.workload import (RequestRecord, build_loads, loaded_throughput, mode_spec_config, parse_bursty,
+                                  parse_modes)
 from tidal.cli import main
 from tidal.tokenizer import Tokenizer
 
@@ -105,6 +106,9 @@ def check_rows(report: dict, loads, requests_per_load: int, output_len: int) -> 
         times = r["request_times_ms"]  # each request's [sent, first token, end], from the first sent
         assert len(times) == n and min(t[0] for t in times) == 0 and all(0 <= a < b <= c for a, b, c in times)
         assert max(t[2] for t in times) == pytest.approx(1000 * r["duration_s"], rel=0.05, abs=50)
+        spec = next(x for x in loads if x.label == load)
+        if spec.rate is None and spec.total_requests > max(c for c, _ in spec.phases):  # clients sent again
+            assert 0 < r["loaded_s"] <= r["duration_s"] and r["loaded_output_throughput"] > 0
         baseline = rows[(report["baseline"], load)]
         assert r["ratio"] == pytest.approx(r["output_throughput"] / baseline["output_throughput"])
         assert r["accepted_tokens"] <= r["drafted_tokens"]
@@ -112,6 +116,19 @@ def check_rows(report: dict, loads, requests_per_load: int, output_len: int) -> 
             assert r["drafted_tokens"] == 0 and r["mean_k"] == 0
         else:
             assert 0 < r["mean_k"] <= 2 and sum(r["k_share"]) == pytest.approx(1)
+
+
+def test_loaded_throughput_counts_the_chunks_that_came_before_the_last_request_was_sent():
+    """The window ends when the last request is sent; a request's tokens count in the share
+    of its chunks that arrived by then; failed requests bring none."""
+    a = RequestRecord(0, 4, 8, start=0.0, chunk_times=[1.0, 2.0, 3.0, 3.5], output_tokens=8, end=3.5)
+    b = RequestRecord(0, 4, 2, start=2.0, chunk_times=[3.0, 6.0], output_tokens=2, end=6.0)
+    c = RequestRecord(0, 4, 1, start=4.0, chunk_times=[6.5], output_tokens=1, end=6.5)
+    failed = RequestRecord(0, 4, 4, start=1.0, chunk_times=[1.5], output_tokens=0, end=1.5, error="HTTP 500")
+    assert loaded_throughput([a, b, c, failed]) == (pytest.approx((8 + 1) / 4), 4.0)
+    # No request sent after another ended: no window.
+    assert loaded_throughput([a, RequestRecord(0, 4, 2, start=0.5, chunk_times=[2.5], output_tokens=2, end=2.5)]) \
+        == (None, 0.0)
 
 
 def test_serve_sweep_smoke(checkpoint, tmp_path):
@@ -163,8 +180,10 @@ def test_matrix_smoke(checkpoint, tmp_path):
         if mode == "none":
             assert r["drafted_tokens"] == 0
         if mode == "goodput":
-            best = max(rows[(workload, m, load)]["output_throughput"] for m in ("none", "fixed:2"))
-            assert r["vs_best_other"] == pytest.approx(r["output_throughput"] / best)
+            others = [rows[(workload, m, load)] for m in ("none", "fixed:2")]
+            assert r["vs_best_other"] == pytest.approx(cell_rate(r) / max(map(cell_rate, others)))
+            assert r["vs_best_other_whole_run"] == pytest.approx(
+                r["output_throughput"] / max(x["output_throughput"] for x in others))
     # Each workload's acceptance reached the server: none of "never"'s drafts was accepted,
     # some of "spread"'s were.
     for load in loads:

@@ -55,6 +55,20 @@ def test_step_anatomy_smoke(tmp_path):
     assert results["mixed"]["mixed eager"]["host_ms"] > 0
 
 
+def test_step_phases_smoke(tmp_path):
+    """Every step's parts are timed, per mode and load, and goodput's decisions logged."""
+    run_smoke("step_phases.py", tmp_path)
+    rows = json.loads((tmp_path / "step_phases.json").read_text())["results"]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for m in ("fixed:4", "goodput") for c in (2, 4)]
+    for r in rows:
+        assert r["steps"] > 0 and r["full_decode_launches"] > 0 and r["host_ms"]["wall"] > 0
+        assert r["host_ms"]["launch"] >= r["host_ms"]["propose"]
+    for c in (2, 4):  # the policy's own time shows: goodput prices every step, fixed takes its K
+        fixed, goodput = (next(r for r in rows if r["mode"] == m and r["concurrency"] == c) for m in ("fixed:4", "goodput"))
+        assert goodput["host_ms"]["choose"] > fixed["host_ms"]["choose"] > 0
+    assert (tmp_path / "decisions_W5.jsonl").read_text().splitlines()
+
+
 def test_front_capacity_smoke(tmp_path):
     """The API process and a model-less core stream every token requested."""
     result = json.loads(run_smoke("front_capacity.py", tmp_path).splitlines()[-1])

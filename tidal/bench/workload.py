@@ -165,6 +165,24 @@ def _stats(name: str, seconds: list[float]) -> dict:
             f"p99_{name}_ms": float(np.percentile(ms, 99))}
 
 
+def loaded_throughput(records: list[RequestRecord]) -> tuple[float | None, float]:
+    """Output tokens per second while the load was whole, and that window's seconds: from
+    the first request sent to the last. After the last one is sent, a run drains: fewer and
+    fewer requests remain, and how long that takes is set by its slowest few requests (with
+    acceptance that differs per request, their luck), not by the load it was meant to put
+    on the server. A request's tokens count in the window in proportion to its chunks that
+    arrived in it (chunks are what a client sees; their token counts it does not). None
+    when no request was sent after another had ended (all at once: there is no window)."""
+    done = [r for r in records if r.error is None and r.chunk_times]
+    if not done:
+        return None, 0.0
+    first, last = min(r.start for r in records), max(r.start for r in records)
+    if last <= min(r.end for r in done):
+        return None, 0.0
+    tokens = sum(r.output_tokens * sum(t <= last for t in r.chunk_times) / len(r.chunk_times) for r in done)
+    return tokens / (last - first), last - first
+
+
 def summarize(records: list[RequestRecord], duration: float) -> dict:
     """Throughput and latency of the requests of one run (or one phase) over `duration`.
     TPOT is per request (time after the first token / tokens after the first); ITL is
@@ -172,6 +190,7 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
     ok = [r for r in records if r.error is None]
     output_tokens = sum(r.output_tokens for r in ok)
     errors = Counter(r.error for r in records if r.error is not None)
+    loaded, loaded_s = loaded_throughput(records)
     return {
         "completed": len(ok),
         "failed": len(records) - len(ok),
@@ -182,6 +201,8 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
         "requested_output_tokens": sum(r.output_len for r in records),
         "request_throughput": len(ok) / duration,
         "output_throughput": output_tokens / duration,
+        "loaded_output_throughput": loaded,
+        "loaded_s": loaded_s,
         **_stats("ttft", [r.chunk_times[0] - r.start for r in ok]),
         **_stats("tpot", [(r.end - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         **_stats("itl", [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]),
