@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -104,3 +106,31 @@ def test_offline_interleaved_tool(tmp_path):
     assert [r["mode"] for r in rows[4:6]] == ["goodput", "off"]
     goodput = [s for s in report["summary"] if s["mode"] == "goodput"]
     assert len(goodput) == 2 and all(len(s["ratios"]) == 2 and s["median_ratio"] > 0 for s in goodput)
+
+
+def test_policy_sim_tool(tmp_path):
+    """The simulated closed loop: where drafts are never accepted goodput keeps within 3% of
+    off, and where nearly all are, within 3% of the longest fixed K."""
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks"))
+    for acceptance, rival in (("0.0", "none"), ("0.9", "fixed:4")):
+        out = tmp_path / f"sim_{acceptance}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_sim.py"), "--acceptance", acceptance,
+                               "--concurrency", "1,32", "--steps", "400", "--warmup", "100",
+                               "--modes", f"{rival},goodput", "--json", str(out)],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = json.loads(out.read_text())["rows"]
+        for c in (1, 32):
+            rate = {r["mode"]: r["tokens_per_s"] for r in rows if r["concurrency"] == c}
+            assert rate["goodput"] >= 0.97 * rate["off" if rival == "none" else rival], (acceptance, c, rate)
+
+
+def test_step_kinds_tool(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_kinds import summarize
+
+    lines = [{"policy": "fixed:2", "rows": 2, "new_tokens": 2, "observed_s": 0.01, "drafted": [2, 2], "accepted": [1, 2]},
+             {"policy": "fixed:2", "rows": 2, "new_tokens": 30, "observed_s": 0.03, "drafted": [2, 0], "accepted": [0, 0]}]
+    decode, prompt = summarize(lines)
+    assert (decode["kind"], decode["tokens"], decode["drafts_per_row"]) == ("decode", 5, 2.0)
+    assert (prompt["kind"], prompt["tokens"], prompt["share"]) == ("prompt", 2, pytest.approx(0.75))

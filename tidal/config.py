@@ -139,7 +139,7 @@ class SpecConfig:
     table: dict | tuple | None = None    # policy "table": {batch size: K}; the largest batch size <= B applies
     cost_model: str = "profile"          # policy "goodput": "profile" (measure at start-up, correct online) or "online"
     profile_seconds: float = 3.0         # start-up profiling budget; shapes not reached are extrapolated
-    decision_log: str | None = None      # policy "goodput": append one JSON line per step here (debugging)
+    decision_log: str | None = None      # append one JSON line per step here (goodput: with its decision)
     prompt_lookup_min: int = 2           # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     simulate_acceptance: SimulatedAcceptance | None = None  # benchmarks only (SimulatedAcceptance)

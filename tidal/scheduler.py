@@ -38,6 +38,7 @@ class Scheduler:
         self.draft_len_counts = [0] * (max_draft_len + 1)  # decoding rows per chosen K
         self.ahead: tuple[dict[str, int], object] | None = None  # draft lengths (and note) chosen while the last step ran
         self.num_preemptions = 0
+        self.feeding: dict[Request, int] = {}  # tokens the step in flight feeds, while choosing ahead of it
 
     # -- admission -----------------------------------------------------------------------
 
@@ -132,7 +133,7 @@ class Scheduler:
                         and r.num_tokens + 1 < self.max_model_len)
                     or (r not in in_plan and r.num_computed == r.num_tokens - 1)]
         if decoding:
-            self.ahead = self._draft_lens(decoding, [commits.get(r, 0) for r in decoding])
+            self.ahead = self._draft_lens(decoding, [commits.get(r, 0) for r in decoding], plan)
 
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next step's plan, made while `plan` (every running request, each committing
@@ -171,7 +172,7 @@ class Scheduler:
         if self.max_draft_len == 0:
             return StepPlan(reqs, [1] * len(reqs), [0] * len(reqs))
         decoding = [r for r, n, _ in rows if n == 1]
-        draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1])
+        draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1], plan)
         budget = self.max_num_batched_tokens - len(reqs)
         ks = [0] * len(reqs)
         for i, (req, end) in enumerate(zip(reqs, ends)):
@@ -186,9 +187,11 @@ class Scheduler:
             ks[i] = k
         return StepPlan(reqs, [1] * len(reqs), ks, choice)
 
-    def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None) -> tuple[dict[str, int], object]:
+    def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None,
+                    in_flight: StepPlan | None = None) -> tuple[dict[str, int], object]:
         """K per decoding request, from the policy, and the policy's note on its choice;
-        `pending[i]` tokens not yet in request i's state count as committed."""
+        `pending[i]` tokens not yet in request i's state count as committed, and so do the
+        prompt chunks of the step `in_flight` (for the policy's `prefill_demand`)."""
         if not decoding or self.max_draft_len == 0:
             return {}, None
         pending = pending or [0] * len(decoding)
@@ -196,7 +199,11 @@ class Scheduler:
         limits = [max(0, min(self.max_draft_len,
                              r.params.max_tokens - r.num_output_tokens - n - 1,
                              self.max_model_len - r.num_tokens - n - 1)) for r, n in zip(decoding, pending)]
-        chosen = self.policy.choose(decoding, limits, len(self.waiting))
+        self.feeding = dict(zip(in_flight.requests, in_flight.num_new_tokens)) if in_flight else {}
+        try:
+            chosen = self.policy.choose(decoding, limits, len(self.waiting))
+        finally:
+            self.feeding = {}
         ks = [max(0, min(k, limit)) for k, limit in zip(chosen, limits)]
         for k in ks:
             self.draft_len_counts[k] += 1
@@ -204,12 +211,15 @@ class Scheduler:
 
     def prefill_demand(self, limit: int) -> int:
         """Prompt tokens that running and admissible waiting requests still have to feed
-        (what draft tokens would take budget from), counted up to `limit`."""
+        (what draft tokens would take budget from), counted up to `limit`. A chunk the step
+        in flight feeds is not: counted, it would price the next step's drafts beside a
+        prompt that step does not carry."""
         total = 0
         admissible = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
         for req in itertools.chain(self.running, admissible):
-            if req.num_computed < req.num_tokens - 1:
-                total += req.num_tokens - req.num_computed
+            computed = req.num_computed + self.feeding.get(req, 0)
+            if computed < req.num_tokens - 1:
+                total += req.num_tokens - computed
                 if total >= limit:
                     break
         return total

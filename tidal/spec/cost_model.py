@@ -7,7 +7,9 @@
   start-up on the real device and interpolated. Without CUDA graphs the width is the
   mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K). When
   prefill chunks share the step, it costs at least what its tokens cost in a compute-bound
-  step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing.
+  step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing;
+  and a fixed cost on top (`prompt_fixed`, learned): such a step costs more than its
+  tokens' floor however few they are.
 - context: attention reads every token of every request's context; `context_ref` is the
   context per request the grid was measured at.
 - proposer: a fixed cost plus one per draft step (draft models run one forward per
@@ -33,11 +35,12 @@ the width it ran at, which would otherwise look dear once the spell is over and,
 longer chosen, never be seen at its true price again.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
-A step that carries prefill chunks corrects only the price of a compute-bound token, and
-only when it has at least the tokens of the grid's largest shape: a smaller one's time is
-mostly fixed costs, which would teach the price their share per token (and make a draft
-beside a prompt look dear at higher loads; docs/design.md). One whose drafter catches up
-corrects only the price of catching up (a scale on the profiled one).
+A step that carries prefill chunks corrects only the prompt terms: the price of a
+compute-bound token when it has at least the tokens of the grid's largest shape, the fixed
+cost otherwise. A smaller one's time is mostly fixed costs, which would teach the price
+their share per token (and make a draft beside a prompt look dear at higher loads;
+docs/design.md). One whose drafter catches up corrects only the price of catching up (a
+scale on the profiled one).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ class CostModel:
         # Seconds per token of a compute-bound step: the largest shape's at first.
         self.token_price = self.grid[-1:, -1] / (self.batch_sizes[-1] * self.widths[-1])
         self.token_weight = self.weight[-1:, -1].copy()
+        self.prompt_fixed = np.zeros(1)  # what a step with prompt tokens costs beyond its tokens' floor
+        self.prompt_fixed_weight = np.zeros(1)
         self.padded = padded
         self.context_ref = context_ref
         self.context_cost = context_cost
@@ -89,7 +94,8 @@ class CostModel:
         self.catch_up_scale = np.ones(1)  # observed / profiled catch-up time
         self.catch_up_weight = np.ones(1)
         self.correct_online = correct_online
-        self.error = 0.0        # mean absolute relative error of the predictions observed (exponential average)
+        self.error = 0.0        # mean absolute relative error of the decode steps' predictions (exponential average)
+        self.num_decodes = 0    # decode steps observed
         self.num_observed = 0
         self.rate = rate              # how fast the grid's cells follow what is left after the level
         self.cell_step = cell_step    # the most one step's error moves a cell, as a share of the prediction
@@ -133,7 +139,8 @@ class CostModel:
         prefill = np.asarray(prefill, dtype=float)
         target = self._target(batch, num_drafts, max_draft)
         if prefill.any():
-            target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill)), target)
+            target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill))
+                              + self.prompt_fixed[0], target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
         drafting = (np.interp(num_drafting, self.batch_sizes, self.draft_fixed)
                     + max_draft * np.interp(num_drafting, self.batch_sizes, self.draft_step))
@@ -160,8 +167,6 @@ class CostModel:
         predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill, catch_up))
         if not self.correct_online:
             return predicted  # a model given as the truth (tests, simulations): it has no error
-        miss = abs(predicted - seconds) / seconds
-        self.error = miss if self.num_observed == 0 else 0.95 * self.error + 0.05 * miss
         self.num_observed += 1
         error = seconds - predicted
         if catch_up:
@@ -176,7 +181,16 @@ class CostModel:
                 self._learn(self.token_price, self.token_weight, ((0, 1.0),), error / tokens)
             elif tokens >= self.batch_sizes[-1] * self.widths[-1]:
                 self._learn(self.token_price, self.token_weight, ((0, 1.0),), min(error, predicted) / tokens)
+            else:
+                self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((0, 1.0),),
+                            max(min(error, predicted), -self.prompt_fixed[0]))
             return predicted
+        # The error is a decode step's only: what the policy weighs is how decode steps of one
+        # K differ from those of another, and a step with prompts or a catch-up (whose time
+        # swings with what arrived) says nothing about that.
+        miss = abs(predicted - seconds) / seconds
+        self.error = miss if self.num_decodes == 0 else 0.95 * self.error + 0.05 * miss
+        self.num_decodes += 1
         b0, b1, f = bracket(batch, self.batch_sizes)
         w0, w1, g = bracket(self._width(batch, num_drafts, max_draft), self.widths)
         kind = int(num_drafts > 0)

@@ -48,9 +48,30 @@ class Choice(list):
         self.note = note
 
 
+def step_line(plan: StepPlan, result: StepResult, step_time: float) -> dict:
+    """What every policy's log line says of a step: its rows, the tokens it fed (more than
+    its rows where prompt chunks share it), its seconds, and what each row drafted and
+    had accepted."""
+    return {"rows": len(plan.requests), "new_tokens": sum(plan.num_new_tokens), "observed_s": step_time,
+            "drafted": list(plan.draft_lens), "accepted": [n - 1 for n in result.accept_lens.tolist()]}
+
+
 class NoFeedback:
+    """A policy that learns nothing from its steps; with a log, it writes one line per
+    step (as goodput does, so that modes can be compared step by step)."""
+
+    log = None
+    num_logged = 0
+
     def observe(self, plan, result, step_time):
-        pass
+        if self.log:
+            self.num_logged += 1
+            self.log.write(json.dumps({"policy": self.label, "step": self.num_logged,
+                                       **step_line(plan, result, step_time)}) + "\n")
+
+    @property
+    def label(self) -> str:
+        return self.name
 
     def stats(self) -> dict:
         return {"name": self.name}
@@ -72,6 +93,10 @@ class Fixed(NoFeedback):
 
     def __init__(self, k: int):
         self.k = k
+
+    @property
+    def label(self) -> str:
+        return f"fixed:{self.k}"
 
     def choose(self, requests, limits, num_waiting):
         return Choice([min(self.k, limit) for limit in limits])
@@ -135,7 +160,7 @@ class Goodput:
     make a draft look worth it are noisy. A near tie thus goes to K = 0, whose price is
     exact. Only the drafts' own time is taxed, not the prompt tokens sharing the step
     (docs/design.md, "The goodput policy", has the measurements). Where drafts look nearly
-    free they are taxed at least the cost model's recent error on a step (`cost.error`,
+    free they are taxed at least the cost model's recent error on a decode step (`cost.error`,
     times the plain step's price): a gain smaller than the prices' own noise is no gain, so
     drafts that are never accepted stop however cheap they look.
 
@@ -399,8 +424,8 @@ class Goodput:
                                       step_time, prefill, decision.catch_up)
         self.predicted, self.observed = predicted, step_time
         if self.log:
-            decision.log.update(prefill=prefill, predicted_s=predicted, observed_s=step_time,
-                                drafted=list(plan.draft_lens), accepted=[n - 1 for n in accepted])
+            decision.log.update(policy=self.name, prefill=prefill, predicted_s=predicted,
+                                **step_line(plan, result, step_time))
             self.log.write(json.dumps(decision.log) + "\n")
 
     def stats(self) -> dict:
@@ -408,6 +433,7 @@ class Goodput:
             "name": self.name,
             "cost_model": self.cost.source,
             "token_s": self.cost.token_cost(),
+            "prompt_fixed_s": float(self.cost.prompt_fixed[0]),
             "catch_up_s": {"fixed": self.cost.catch_up_fixed, "per_token": self.cost.catch_up_token,
                            "scale": float(self.cost.catch_up_scale[0])},
             "num_decisions": self.num_decisions,
@@ -427,12 +453,10 @@ def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int =
     """The policy `spec` names. Goodput prices steps with `cost_model` (measured at start-up,
     `tidal.profiling`), or learns the prices from the steps alone when none is given."""
     k = spec.num_speculative_tokens
-    if spec.policy == "off":
-        return Off()
-    if spec.policy == "fixed":
-        return Fixed(k)
-    if spec.policy == "table":
-        return Table(spec.table)
+    if spec.policy in ("off", "fixed", "table"):
+        policy = Off() if spec.policy == "off" else Fixed(k) if spec.policy == "fixed" else Table(spec.table)
+        policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
+        return policy
     cost_model = cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online")
     return Goodput(cost_model, k, token_budget=max_num_batched_tokens, pool=pool, demand=demand,
                    decision_log=spec.decision_log)
