@@ -5,11 +5,12 @@
 #            + `tidal bench serve --base-url` at 1 and 256 clients, and `tidal bench offline` at 256
 #            (the HTTP path's cost); with OLD_TREE=DIR, the same over HTTP from that source tree too
 #   w2       W2 at 32 clients, fixed:3 and goodput, over HTTP (`tidal bench matrix`) and in-process,
-#            with goodput's decision log
+#            with each mode's step log
 #   w3       W3 (2048-token prompts) at 256 clients, goodput over HTTP: no request may fail
 #   b1       batch-1 sampled decode, plain and EAGLE-3 K = 4 (benchmarks/sampled_b1.py), this tree
 #            and OLD_TREE
-#   matrix   `tidal bench matrix` with MATRIX_ARGS, with goodput's decision log
+#   matrix   `tidal bench matrix` with MATRIX_ARGS, with every mode's step log (goodput's with its
+#            decisions; `benchmarks/step_kinds.py` reads it)
 #   front    what the API process streams when the core costs nothing (benchmarks/front_capacity.py)
 #   profile  http's c=256 load on this tree's server, with py-spy (if on PATH) sampling the API
 #            process, the engine core's process and the benchmark client for PROFILE_SECONDS (15)
