@@ -87,7 +87,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
     """Steps of the closed loop as the engine runs them: decodes (with the policy's drafts)
     first, then waiting prompts in chunks up to the step's token budget; a request decodes
     from the step after its prompt's last chunk."""
-    rng = random.Random(args.seed)  # the same draws for every mode: acceptance per row and step
+    rng = random.Random(args.seed)  # the stagger below, then each step's accept/reject draws
     decoding = [Client(i, args, acceptance).next_request() for i in range(concurrency)]
     for req, _, _ in decoding:  # the clients' first requests at staggered points, as in a steady state
         req.token_ids.extend([0] * (1 + rng.randrange(args.output_len - 1)))
@@ -130,7 +130,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
                                 torch.tensor([1 + n for n in accepted] + [int(d) for d in done]))
             policy.observe(plan, result, ms / 1e3)
         made = 0
-        for i, ((req, _, client), n) in enumerate(zip(list(decoding), accepted)):
+        for (req, _, client), n in zip(decoding, accepted):
             req.token_ids.extend([0] * (1 + n))
             req.num_computed = req.num_absorbed = req.num_tokens - 1
             made += 1 + n
@@ -152,7 +152,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             if isinstance(policy, Goodput) and reqs:
                 expected += want
                 got += sum(accepted)
-    row = {"mode": "oracle" if told else policy.name if not isinstance(policy, Fixed) else f"fixed:{policy.k}",
+    row = {"mode": "oracle" if told else getattr(policy, "label", policy.name),
            "concurrency": concurrency, "tokens_per_s": tokens / seconds}
     if isinstance(policy, Goodput):
         row.update(expected_draft_tokens=expected, accepted_draft_tokens=got)
