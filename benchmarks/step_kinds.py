@@ -1,13 +1,15 @@
 """Where a server's time went, by policy and kind of step, from its step log
 (`speculative_config.decision_log`: a line per step, for every policy).
 
-    python benchmarks/step_kinds.py decisions_matrix.jsonl[.gz] --min-rows 24
+    python benchmarks/step_kinds.py decisions_matrix.jsonl[.gz] --min-rows 24 [--split k|around]
 
 A step is a `decode` when every row fed one token, a `prompt` step when prompt chunks
-shared it. For each policy and kind: steps, seconds and their share of the policy's,
-tokens committed and their rate, drafts per row, the median step. --min-rows keeps the
-steps with at least that many rows (one cell's steady state when a log holds several
-loads).
+shared it. `--split k` splits the decode steps by their longest K; `--split around` into
+those just before a prompt step, just after one, and the others (the steps next to an
+arrival). For each policy and kind: steps, seconds and their share of the policy's, tokens
+committed and their rate, drafts per row, the median step and, where the policy predicted
+it (goodput), the median prediction. --min-rows keeps the steps with at least that many
+rows (one cell's steady state when a log holds several loads).
 """
 
 from __future__ import annotations
@@ -24,12 +26,32 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def summarize(lines: list[dict], min_rows: int = 0) -> list[dict]:
-    groups = defaultdict(list)
+def is_prompt(line: dict) -> bool:
+    return line["new_tokens"] > line["rows"]
+
+
+def step_kind(line: dict, before: dict | None, after: dict | None, split: str) -> str:
+    if is_prompt(line):
+        return "prompt"
+    if split == "k":
+        return f"decode K={max(line['drafted'], default=0)}"
+    if split == "around" and after is not None and is_prompt(after):
+        return "before a prompt step"
+    if split == "around" and before is not None and is_prompt(before):
+        return "after a prompt step"
+    return "decode"
+
+
+def summarize(lines: list[dict], min_rows: int = 0, split: str = "kind") -> list[dict]:
+    by_policy = defaultdict(list)
     for line in lines:
         if line["rows"] >= min_rows:
-            kind = "decode" if line["new_tokens"] == line["rows"] else "prompt"
-            groups[line["policy"], kind].append(line)
+            by_policy[line["policy"]].append(line)
+    groups = defaultdict(list)
+    for policy, steps in by_policy.items():
+        for i, line in enumerate(steps):
+            before, after = steps[i - 1] if i else None, steps[i + 1] if i + 1 < len(steps) else None
+            groups[policy, step_kind(line, before, after, split)].append(line)
     total = defaultdict(float)
     for (policy, _), steps in groups.items():
         total[policy] += sum(s["observed_s"] for s in steps)
@@ -40,7 +62,9 @@ def summarize(lines: list[dict], min_rows: int = 0) -> list[dict]:
         out.append({"policy": policy, "kind": kind, "steps": len(steps), "seconds": seconds,
                     "share": seconds / total[policy], "tokens": tokens, "tokens_per_s": tokens / seconds,
                     "drafts_per_row": sum(sum(s["drafted"]) for s in steps) / sum(s["rows"] for s in steps),
-                    "median_ms": 1e3 * statistics.median(s["observed_s"] for s in steps)})
+                    "median_ms": 1e3 * statistics.median(s["observed_s"] for s in steps),
+                    "median_predicted_ms": 1e3 * statistics.median(s["predicted_s"] for s in steps)
+                    if all("predicted_s" in s for s in steps) else None})
     return out
 
 
@@ -48,12 +72,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("log")
     p.add_argument("--min-rows", type=int, default=0)
+    p.add_argument("--split", choices=("kind", "k", "around"), default="kind")
     args = p.parse_args()
-    print(f"{'policy':10} {'kind':7} {'steps':>6} {'s':>7} {'share':>6} {'tokens':>7} {'tok/s':>7} "
-          f"{'drafts/row':>10} {'median ms':>9}")
-    for r in summarize(read(args.log), args.min_rows):
-        print(f"{r['policy']:10} {r['kind']:7} {r['steps']:6d} {r['seconds']:7.2f} {r['share']:6.2f} {r['tokens']:7d} "
-              f"{r['tokens_per_s']:7.0f} {r['drafts_per_row']:10.2f} {r['median_ms']:9.2f}")
+    print(f"{'policy':10} {'kind':20} {'steps':>6} {'s':>7} {'share':>6} {'tokens':>7} {'tok/s':>7} "
+          f"{'drafts/row':>10} {'median ms':>9} {'predicted':>9}")
+    for r in summarize(read(args.log), args.min_rows, args.split):
+        predicted = "" if r["median_predicted_ms"] is None else f"{r['median_predicted_ms']:9.2f}"
+        print(f"{r['policy']:10} {r['kind']:20} {r['steps']:6d} {r['seconds']:7.2f} {r['share']:6.2f} "
+              f"{r['tokens']:7d} {r['tokens_per_s']:7.0f} {r['drafts_per_row']:10.2f} {r['median_ms']:9.2f} {predicted:>9}")
 
 
 if __name__ == "__main__":

@@ -129,8 +129,14 @@ def test_step_kinds_tool(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_kinds import summarize
 
-    lines = [{"policy": "fixed:2", "rows": 2, "new_tokens": 2, "observed_s": 0.01, "drafted": [2, 2], "accepted": [1, 2]},
-             {"policy": "fixed:2", "rows": 2, "new_tokens": 30, "observed_s": 0.03, "drafted": [2, 0], "accepted": [0, 0]}]
+    def line(new_tokens, drafted, accepted, seconds):
+        return {"policy": "fixed:2", "rows": 2, "new_tokens": new_tokens, "observed_s": seconds,
+                "drafted": drafted, "accepted": accepted}
+
+    lines = [line(2, [2, 2], [1, 2], 0.01), line(30, [2, 0], [0, 0], 0.03), line(2, [1, 1], [0, 1], 0.01)]
     decode, prompt = summarize(lines)
-    assert (decode["kind"], decode["tokens"], decode["drafts_per_row"]) == ("decode", 5, 2.0)
-    assert (prompt["kind"], prompt["tokens"], prompt["share"]) == ("prompt", 2, pytest.approx(0.75))
+    assert (decode["kind"], decode["steps"], decode["tokens"], decode["drafts_per_row"]) == ("decode", 2, 8, 1.5)
+    assert (prompt["kind"], prompt["tokens"], prompt["share"]) == ("prompt", 2, pytest.approx(0.6))
+    assert [r["kind"] for r in summarize(lines, split="k")] == ["decode K=1", "decode K=2", "prompt"]
+    assert [r["kind"] for r in summarize(lines, split="around")] == ["after a prompt step", "before a prompt step",
+                                                                     "prompt"]

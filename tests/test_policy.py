@@ -420,8 +420,6 @@ def test_small_prompt_chunks_teach_the_fixed_cost_not_the_price():
     assert float(model.step_time(8, 0, 0, 0, 0)) == pytest.approx(plain)
 
 
-# -- configuration --------------------------------------------------------------------------
-
 def test_steps_with_prompts_leave_the_decode_error_alone():
     """The error that taxes drafts is the decode steps': steps with prompt chunks that take
     three times their price (what arrived with them) do not raise it, however many."""
@@ -435,6 +433,8 @@ def test_steps_with_prompts_leave_the_decode_error_alone():
         observe_shape(model, 8, 3, 0.7 * true_cost(8, 3))
     assert model.error > 0.1  # ... do
 
+
+# -- configuration --------------------------------------------------------------------------
 
 def test_table_policy_picks_k_by_batch_size():
     spec = SpecConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "policy": "table",
@@ -594,8 +594,7 @@ def test_drafts_never_accepted_bring_k_to_zero_within_a_few_steps(models, tmp_pa
         log = tmp_path / f"decisions-{acceptance}.jsonl"
         llm = LLM(model=models["target"], page_size=4, max_num_seqs=4, speculative_config=spec(
             models, "draft_model", cost_model="online", decision_log=str(log), simulate_acceptance=acceptance))
-        inject(llm, prices)
-        llm.engine.core.scheduler.policy.log = open(log, "a", buffering=1)
+        inject(llm, prices)  # (the new policy opens the same log)
         llm.generate([list(range(20 + i, 30 + i)) for i in range(4)],
                      SamplingParams(temperature=0, max_tokens=96, ignore_eos=True), use_tqdm=False)
         return [json.loads(line) for line in log.read_text().splitlines()]
@@ -625,8 +624,7 @@ def test_each_step_is_observed_with_the_decision_it_was_made_from(models, tmp_pa
         prompts, params, use_tqdm=False)]
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=3, async_scheduling=True,
               speculative_config=spec(models, "draft_model", cost_model="online", decision_log=str(log)))
-    inject(llm, overhead_plus_tokens())
-    llm.engine.core.scheduler.policy.log = open(log, "a", buffering=1)
+    inject(llm, overhead_plus_tokens())  # (the new policy opens the same log)
     got, stats = generate(llm, prompts, params)
     assert got == plain
     lines = [json.loads(line) for line in log.read_text().splitlines()]

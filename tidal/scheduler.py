@@ -199,7 +199,9 @@ class Scheduler:
         limits = [max(0, min(self.max_draft_len,
                              r.params.max_tokens - r.num_output_tokens - n - 1,
                              self.max_model_len - r.num_tokens - n - 1)) for r, n in zip(decoding, pending)]
-        self.feeding = dict(zip(in_flight.requests, in_flight.num_new_tokens)) if in_flight else {}
+        # (Only chunks of 2+ tokens: a row fed one token is a decode, or a prompt's last token.)
+        fed = zip(in_flight.requests, in_flight.num_new_tokens) if in_flight else ()
+        self.feeding = {r: n for r, n in fed if n > 1}
         try:
             chosen = self.policy.choose(decoding, limits, len(self.waiting))
         finally:

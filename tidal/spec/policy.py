@@ -191,7 +191,7 @@ class Goodput:
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
                  demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, draft_premium: float = 0.1,
                  horizon: int = 64, probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
-                 explore_interval: int = 32, explore_margin: float = 0.15, decision_log: str | None = None):
+                 explore_interval: int = 32, explore_margin: float = 0.15):
         self.cost = cost
         self.acceptance = AcceptanceModel(max_draft_len)
         self.token_budget = token_budget
@@ -205,7 +205,7 @@ class Goodput:
         self.probe_overhead = probe_overhead  # a probe that costs this much of a step comes every probe_interval steps
         self.explore_interval = explore_interval  # 0: never run a width for its price
         self.explore_margin = explore_margin
-        self.log = open(decision_log, "a", buffering=1) if decision_log else None
+        self.log = None  # the decision log, a line per step (make_policy opens it)
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.steps_since_drafting = 0
         # A K = 0 decision stands, while its inputs stay, until this decision number (see choose).
@@ -453,10 +453,14 @@ def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int =
     """The policy `spec` names. Goodput prices steps with `cost_model` (measured at start-up,
     `tidal.profiling`), or learns the prices from the steps alone when none is given."""
     k = spec.num_speculative_tokens
-    if spec.policy in ("off", "fixed", "table"):
-        policy = Off() if spec.policy == "off" else Fixed(k) if spec.policy == "fixed" else Table(spec.table)
-        policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
-        return policy
-    cost_model = cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online")
-    return Goodput(cost_model, k, token_budget=max_num_batched_tokens, pool=pool, demand=demand,
-                   decision_log=spec.decision_log)
+    if spec.policy == "off":
+        policy = Off()
+    elif spec.policy == "fixed":
+        policy = Fixed(k)
+    elif spec.policy == "table":
+        policy = Table(spec.table)
+    else:
+        policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online"), k,
+                         token_budget=max_num_batched_tokens, pool=pool, demand=demand)
+    policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
+    return policy
