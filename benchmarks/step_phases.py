@@ -11,8 +11,10 @@ waiting for the tokens, committing), and on CUDA the device's span from the step
 kernel to its last and the idle gap before it (events recorded at the edges of `_launch`;
 the stream runs steps in launch order). Also counted: catch-ups that ran eagerly because no
 captured graph fits them, and the rows `_absorb` fed. Decode-only steps at full batch are
-the ones compared. Prints one table per load; writes $OUT/step_phases.json (and goodput's
-decision log, $OUT/decisions_WORKLOAD.jsonl).
+the ones compared. Also per kind of launch (prompt chunks in it or not, its longest K, and
+`sync` where no step was in flight to hide its host work): the host's time in the steps that
+launched it, its device span and gap. Prints both tables; writes $OUT/step_phases.json (and
+goodput's decision log, $OUT/decisions_WORKLOAD.jsonl).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Trace:
         self.current = defaultdict(float)
         self.launches: list[tuple] = []  # (plan shape, start event, end event) in launch order
         self.counts = defaultdict(int)
+        self.launched: dict | None = None  # the shape of the plan the current step launched
         self.patched: list[tuple[object, str]] = []
 
     def patch(self, obj, name: str, new) -> None:
@@ -91,7 +94,9 @@ class Trace:
             step = launch(plan, after)
             self.current["launch"] += time.perf_counter() - t
             if step is not None:
-                self.launches.append((self._shape(plan), start, self._event()))
+                shape = {**self._shape(plan), "behind": after is not None}
+                self.launches.append((shape, start, self._event()))
+                self.launched = self.launched or shape  # a step's first launch: the one it waits for
             return step
         self.patch(core, "_launch", traced_launch)
         self.patch(core.runner, "launch", self.timed("launch_forward", core.runner.launch))
@@ -126,8 +131,9 @@ class Trace:
 
         def traced_step():
             t = time.perf_counter()
+            self.launched = None
             out = engine_step()
-            self.steps.append({"wall": time.perf_counter() - t, **self.current})
+            self.steps.append({"wall": time.perf_counter() - t, **self.current, "launched": self.launched})
             self.current = defaultdict(float)
             return out
         self.patch(core, "step", traced_step)
@@ -158,13 +164,36 @@ class Trace:
         return out
 
 
+def step_kind(shape: dict) -> str:
+    """A launch's kind for the per-kind table: prompt chunks in it or not, its longest K, and
+    `sync` where it was launched with no step in flight (the device waited for the host)."""
+    return f"{'decode' if shape['decode_only'] else 'prompt'} K={shape['max_k']}{'' if shape['behind'] else ' sync'}"
+
+
 def summarize(trace: Trace, batch: int) -> dict:
     """Means over the steps, and over the launches that decode every row of a full batch."""
     steps = trace.steps[len(trace.steps) // 10:]  # past the first wave's prompts
     launches = trace.device_spans()
     full = [x for x in launches if x["decode_only"] and x["rows"] == batch]
     host = {p: 1e3 * statistics.fmean(s.get(p, 0.0) for s in steps) for p in PHASES + ("launch_forward", "wall")}
-    row = {"steps": len(trace.steps), "host_ms": host, "counts": dict(trace.counts),
+    by_kind = defaultdict(lambda: {"host": [], "spans": [], "gaps": []})  # (kind, K) over every launch
+    for s in steps:
+        if s["launched"] is not None:
+            by_kind[step_kind(s["launched"])]["host"].append(s)
+    for x in launches:
+        group = by_kind[step_kind(x)]
+        if trace.cuda:
+            group["spans"].append(x["span_ms"])
+            if x["gap_ms"] is not None:
+                group["gaps"].append(x["gap_ms"])
+    kinds = {}
+    for kind, g in sorted(by_kind.items()):
+        kinds[kind] = {"launches": len(g["spans"]) or None, "steps": len(g["host"]),
+                       **{f"host_{p}_ms": 1e3 * statistics.fmean(s.get(p, 0.0) for s in g["host"])
+                          for p in ("wall", "plan", "propose", "launch", "wait") if g["host"]},
+                       "span_ms": statistics.median(g["spans"]) if g["spans"] else None,
+                       "gap_ms": statistics.median(g["gaps"]) if g["gaps"] else None}
+    row = {"steps": len(trace.steps), "host_ms": host, "counts": dict(trace.counts), "by_kind": kinds,
            "full_decode_launches": len(full),
            "full_mixed_share": sum(x["mixed"] for x in full) / max(len(full), 1),
            "full_mean_k": statistics.fmean(x["mean_k"] for x in full) if full else None}
@@ -246,6 +275,13 @@ def print_table(rows: list[dict]) -> None:
                           f"{r.get('device_span_ms') or 0:.2f}", f"{r.get('device_gap_ms') or 0:.2f}",
                           f"{r['full_mixed_share']:.2f}", f"{r['full_mean_k'] or 0:.2f}",
                           str(r["counts"].get("eager_catch_ups", 0))]))
+    print("\nper kind of launch (every batch size): host ms per step that launched it, device span and gap ms")
+    print(" | ".join(["load", "mode", "kind", "steps", "wall", "plan", "propose", "launch", "wait", "span", "gap"]))
+    for r in rows:
+        for kind, k in r["by_kind"].items():
+            print(" | ".join([f"c={r['concurrency']}", r["mode"], kind, str(k["steps"]),
+                              *(f"{k.get(f'host_{p}_ms', 0):.2f}" for p in ("wall", "plan", "propose", "launch", "wait")),
+                              f"{k['span_ms'] or 0:.2f}", f"{k['gap_ms'] or 0:.2f}"]))
 
 
 if __name__ == "__main__":

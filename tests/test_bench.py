@@ -165,14 +165,17 @@ def test_offline_sweep_smoke(checkpoint):
 def test_matrix_smoke(checkpoint, tmp_path):
     """Every mode serves every workload under every load, each workload's own simulated
     acceptance reaching the server with its requests; goodput's ratio is to the best
-    other mode of its cell."""
+    other mode of its cell; the report so far is handed on after every cell."""
     model = checkpoint("llama")
     workloads = [Workload("spread", 8, 6, 0.7, {"mean": 0.6, "std": 0.25}), Workload("never", 6, 6, 0.0, 0.0)]
     loads = cell_loads([1, 3], requests_per_client=1, min_requests=2)
     drafter = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}  # drafts every step
+    cells_seen = []
     report = run_matrix(["none", "fixed:2", "goodput"], workloads, loads, model=model, spec_config=drafter,
-                        server_args=["--device", "cpu", "--dtype", "float32"], num_warmups=1, server_timeout=120)
+                        server_args=["--device", "cpu", "--dtype", "float32"], num_warmups=1, server_timeout=120,
+                        on_cell=lambda partial: cells_seen.append(len(partial["results"])))
     rows = {(r["workload"], r["mode"], r["load"]): r for r in report["results"]}
+    assert cells_seen == list(range(1, len(rows) + 1))
     assert set(rows) == {(w.name, m, load.label) for w in workloads for m in report["modes"] for load in loads}
     for (workload, mode, load), r in rows.items():
         n = next(x.total_requests for x in loads if x.label == load)

@@ -420,6 +420,25 @@ def test_small_prompt_chunks_teach_the_fixed_cost_not_the_price():
     assert float(model.step_time(8, 0, 0, 0, 0)) == pytest.approx(plain)
 
 
+def test_steps_with_prompts_learn_what_each_draft_step_adds():
+    """A step with prompt tokens runs with nothing to hide its host work behind, so each of
+    its draft steps costs more than in a decode step (2 ms here, beyond the grid's price):
+    the fixed cost is learned per longest K, a K never seen beside a prompt looks free until
+    tried, and decode steps' prices stay as they were."""
+    model = CostModel.from_function(true_cost, *grid_axes(16, 4))
+    decode = float(model.step_time(8, 16, 2, 8, 0))
+    floor = {k: float(model.step_time(8, 8 * k, k, 8 if k else 0, 0, prefill=20)) for k in (0, 2, 4)}
+    for _ in range(40):
+        for k in (0, 2, 4):
+            model.observe(8, 8 * k, k, 8 if k else 0, 0, floor[k] + 0.004 + 0.002 * k, prefill=20)
+    for k in (0, 2, 4):
+        assert model.prompt_fixed[k] == pytest.approx(0.004 + 0.002 * k, rel=0.05)
+        assert float(model.step_time(8, 8 * k, k, 8 if k else 0, 0, prefill=20)) == pytest.approx(
+            floor[k] + 0.004 + 0.002 * k, rel=0.02)
+    assert model.prompt_fixed[3] == 0  # never seen beside a prompt: tried before it is priced
+    assert float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(decode)
+
+
 def test_steps_with_prompts_leave_the_decode_error_alone():
     """The error that taxes drafts is the decode steps': steps with prompt chunks that take
     three times their price (what arrived with them) do not raise it, however many."""

@@ -48,6 +48,7 @@ def frozen_heap():
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        started = time.perf_counter()
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         limit = self.model_config.max_position_embeddings
@@ -67,10 +68,12 @@ class EngineCore:
                 f"the KV cache has {capacity} pages of {config.page_size} tokens, fewer than one request of "
                 f"max_model_len {self.max_model_len} needs; give it more memory (--gpu-memory-utilization on cuda, "
                 "--kv-cache-memory-gb on cpu, or --num-pages) or lower --max-model-len")
+        capture_started = time.perf_counter()
         self.runner.capture_graphs()
         self.runner.warmup()
         if self.proposer:
             self.proposer.warmup()
+        capture_s = time.perf_counter() - capture_started
         self.pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
@@ -92,6 +95,8 @@ class EngineCore:
         self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
         self.num_generated_tokens = 0
         logger.info(self.describe())
+        logger.info("engine start-up took %.1f s (graph capture and kernel warm-up %.1f s)",
+                    time.perf_counter() - started, capture_s)
 
     def describe(self) -> str:
         """What was loaded, in one line (logged at start-up)."""

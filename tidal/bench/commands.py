@@ -44,7 +44,7 @@ def add_bench_parser(sub) -> None:
     matrix.add_argument("--min-requests", type=int, default=8)
     matrix.add_argument("--num-warmups", type=int, default=2, help="warm-up requests per workload and mode")
     matrix.add_argument("--server-timeout", type=float, default=600.0)
-    matrix.add_argument("--output-json", default=None)
+    matrix.add_argument("--output-json", default=None, help="written after every cell, and at the end with the ratios")
     matrix.add_argument("--output-png", default=None)
     matrix.add_argument("--server-log", default=None, help="append the servers' output to this file")
     matrix.set_defaults(func=cmd_bench_matrix)
@@ -176,7 +176,8 @@ def cmd_bench_matrix(args: argparse.Namespace) -> int:
         report = run_matrix(parse_modes(args.modes), parse_workloads(args.workloads), loads, model=model,
                             spec_config=spec_config, server_args=engine_flags(engine_args),
                             num_warmups=args.num_warmups, seed=args.seed, server_timeout=args.server_timeout,
-                            server_log=args.server_log)
+                            server_log=args.server_log,
+                            on_cell=(lambda partial: write_json(partial, args.output_json)) if args.output_json else None)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

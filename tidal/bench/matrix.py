@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from tidal.bench.client import run_load, served_model, spec_counters
 from tidal.bench.datasets import random_requests
@@ -59,8 +60,11 @@ def cell_loads(concurrency: list[int], requests_per_client: float, min_requests:
 
 def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *, model: str, spec_config: dict,
                server_args: list[str] = (), num_warmups: int = 2, seed: int = 0,
-               server_timeout: float = 600.0, server_log: str | None = None) -> dict:
-    """Every mode on every workload under every load; returns the report (a JSON-able dict)."""
+               server_timeout: float = 600.0, server_log: str | None = None,
+               on_cell: Callable[[dict], None] | None = None) -> dict:
+    """Every mode on every workload under every load; returns the report (a JSON-able dict).
+    `on_cell(report)` sees the report so far after every cell, so that a matrix stopped
+    part-way (a time limit) keeps the cells it measured."""
     tokenizer, vocab_size = Tokenizer.from_pretrained(model), ModelConfig.from_pretrained(model).vocab_size
     per_workload = {}  # the same prompts for every mode
     for i, w in enumerate(workloads):
@@ -73,6 +77,9 @@ def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *
     base = {**spec_config, "simulate_acceptance": workloads[0].acceptance}
     configs = {m: mode_spec_config(m, base) for m in modes}
     rows = []
+    report = {"benchmark": "matrix", "model": model, "speculative_config": spec_config, "mode_configs": configs,
+              "workloads": [asdict(w) for w in workloads], "modes": modes, "loads": [load.label for load in loads],
+              "seed": seed, "note": "acceptance is SIMULATED (simulate_acceptance per workload)", "results": rows}
     for mode in modes:
         with server_process(model, configs[mode], server_args, server_timeout, server_log) as url:
             name = served_model(url)
@@ -90,9 +97,8 @@ def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *
                         desc=f"{mode} {w.name} {load.label}"))
                     row = summarize_run(mode, load, records, duration, spans, before, spec_counters(url))
                     rows.append({"workload": w.name, **row})
-    report = {"benchmark": "matrix", "model": model, "speculative_config": spec_config, "mode_configs": configs,
-              "workloads": [asdict(w) for w in workloads], "modes": modes, "loads": [load.label for load in loads],
-              "seed": seed, "note": "acceptance is SIMULATED (simulate_acceptance per workload)", "results": rows}
+                    if on_cell:
+                        on_cell(report)
     add_matrix_ratios(report)
     return report
 

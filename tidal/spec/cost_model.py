@@ -8,8 +8,10 @@
   mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K). When
   prefill chunks share the step, it costs at least what its tokens cost in a compute-bound
   step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing;
-  and a fixed cost on top (`prompt_fixed`, learned): such a step costs more than its
-  tokens' floor however few they are.
+  and a fixed cost on top (`prompt_fixed`, learned per longest draft K): such a step costs
+  more than its tokens' floor however few they are, and more with every draft step, since
+  nothing hides its host work (a prompt's arrival makes the engine plan the step only once
+  the one before has ended, while the device waits: `Scheduler.schedule_ahead`).
 - context: attention reads every token of every request's context; `context_ref` is the
   context per request the grid was measured at.
 - proposer: a fixed cost plus one per draft step (draft models run one forward per
@@ -37,9 +39,9 @@ With no profile the grid starts at zero and is learned the same way: an unseen w
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the prompt terms: the price of a
 compute-bound token when it has at least the tokens of the grid's largest shape, the fixed
-cost otherwise. A smaller one's time is mostly fixed costs, which would teach the price
-their share per token (and make a draft beside a prompt look dear at higher loads;
-docs/design.md). One whose drafter catches up corrects only the price of catching up (a
+cost of its longest K otherwise. A smaller one's time is mostly fixed costs, which would
+teach the price their share per token (and make a draft beside a prompt look dear at
+higher loads; docs/design.md). One whose drafter catches up corrects only the price of catching up (a
 scale on the profiled one).
 """
 
@@ -81,8 +83,10 @@ class CostModel:
         # Seconds per token of a compute-bound step: the largest shape's at first.
         self.token_price = self.grid[-1:, -1] / (self.batch_sizes[-1] * self.widths[-1])
         self.token_weight = self.weight[-1:, -1].copy()
-        self.prompt_fixed = np.zeros(1)  # what a step with prompt tokens costs beyond its tokens' floor
-        self.prompt_fixed_weight = np.zeros(1)
+        # What a step with prompt tokens costs beyond its tokens' floor, per longest draft K
+        # (0 .. the widest width - 1); one not yet seen looks free, so it is tried once.
+        self.prompt_fixed = np.zeros(int(self.widths[-1]))
+        self.prompt_fixed_weight = np.zeros(int(self.widths[-1]))
         self.padded = padded
         self.context_ref = context_ref
         self.context_cost = context_cost
@@ -139,8 +143,9 @@ class CostModel:
         prefill = np.asarray(prefill, dtype=float)
         target = self._target(batch, num_drafts, max_draft)
         if prefill.any():
+            fixed = self.prompt_fixed[np.minimum(max_draft, len(self.prompt_fixed) - 1).astype(int)]
             target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill))
-                              + self.prompt_fixed[0], target)
+                              + fixed, target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
         drafting = (np.interp(num_drafting, self.batch_sizes, self.draft_fixed)
                     + max_draft * np.interp(num_drafting, self.batch_sizes, self.draft_step))
@@ -182,8 +187,9 @@ class CostModel:
             elif tokens >= self.batch_sizes[-1] * self.widths[-1]:
                 self._learn(self.token_price, self.token_weight, ((0, 1.0),), min(error, predicted) / tokens)
             else:
-                self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((0, 1.0),),
-                            max(min(error, predicted), -self.prompt_fixed[0]))
+                k = min(int(max_draft), len(self.prompt_fixed) - 1)
+                self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((k, 1.0),),
+                            max(min(error, predicted), -self.prompt_fixed[k]))
             return predicted
         # The error is a decode step's only: what the policy weighs is how decode steps of one
         # K differ from those of another, and a step with prompts or a catch-up (whose time

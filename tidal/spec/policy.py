@@ -433,7 +433,7 @@ class Goodput:
             "name": self.name,
             "cost_model": self.cost.source,
             "token_s": self.cost.token_cost(),
-            "prompt_fixed_s": float(self.cost.prompt_fixed[0]),
+            "prompt_fixed_s": self.cost.prompt_fixed.tolist(),  # per longest draft K
             "catch_up_s": {"fixed": self.cost.catch_up_fixed, "per_token": self.cost.catch_up_token,
                            "scale": float(self.cost.catch_up_scale[0])},
             "num_decisions": self.num_decisions,
