@@ -150,6 +150,32 @@ def test_greedy_lossless_when_drafts_share_a_step_with_a_prompt_chunk(models, pl
     assert [len(t) for t in sampled] == [NEW_TOKENS] * len(plain) and any(shared)
 
 
+@pytest.mark.parametrize("method", [None, "draft_model", "eagle3"])
+def test_prompts_admitted_beside_a_step_in_flight_change_no_output(models, method):
+    """With async scheduling a request that waits for a seat is admitted into the step
+    planned while the one before runs (its whole prompt beside rows fed from the device),
+    instead of waiting, device idle, for the step to end. Greedy outputs, plain and
+    drafted, equal the synchronous engine's, and no page leaks."""
+    prompts = repetitive_prompts() + [[11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    params = [greedy(max_tokens=n) for n in (6, 17, 9, 28, 12)]
+    spec = spec_config(models, method, 3) if method else None
+    outputs = {}
+    for overlap in (False, True):
+        llm = LLM(model=models["target"], page_size=4, max_num_seqs=2, async_scheduling=overlap,
+                  speculative_config=spec)
+        launch, admitted_ahead = llm.engine.core.runner.launch, []
+
+        def recording(plan, drafts=None, ahead=None):
+            admitted_ahead.append(ahead is not None and ahead.carried < len(plan.requests))
+            return launch(plan, drafts, ahead)
+
+        llm.engine.core.runner.launch = recording
+        outputs[overlap] = run(llm, prompts, params)[0]
+        assert any(admitted_ahead) == overlap, "want prompts admitted beside a step in flight"
+    assert outputs[True] == outputs[False]
+    assert [len(t) for t in outputs[True]] == [6, 17, 9, 28, 12]
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
 def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, monkeypatch):
     """With async scheduling a step is planned and drafted for while the verification

@@ -155,22 +155,25 @@ class ModelRunner:
         every draft there were accepted, then moved back on the device by those rejected."""
         reqs = plan.requests
         computed = ahead.computed if ahead else [0] * len(reqs)
+        carried = ahead.carried if ahead else 0  # rows fed the token the step in flight commits
         feeds = []
         for i, req in enumerate(reqs):
             start = req.num_computed
-            feed = [0] if ahead else req.token_ids[start:start + plan.num_new_tokens[i]]
+            feed = [0] if i < carried else req.token_ids[start:start + plan.num_new_tokens[i]]
             feeds.append(feed + [0] * plan.draft_lens[i])  # drafts are written on the device
         input_ids = None
-        if ahead and not plan.max_draft_len:
+        if ahead and not plan.max_draft_len and carried == len(reqs):
             input_ids = ahead.last
         elif ahead:
-            input_ids = with_device_tails(feeds, [1 + k for k in plan.draft_lens],
-                                          torch.cat([ahead.last[:, None], drafts.tokens], dim=1))
+            source = ahead.last[:, None] if not plan.max_draft_len else torch.cat(
+                [ahead.last[:, None], drafts.tokens], dim=1)
+            input_ids = with_device_tails(feeds, [1 + k if i < carried else 0 for i, k in enumerate(plan.draft_lens)],
+                                          source)
         elif plan.max_draft_len:
             input_ids = with_device_tails(feeds, plan.draft_lens, drafts.tokens)
         rejected = ahead.rejected if ahead else None
         width = 1 + plan.max_draft_len
-        rows = [i for i in range(len(reqs)) if ahead or plan.samples(i)]
+        rows = [i for i in range(len(reqs)) if i < carried or plan.samples(i)]
         contexts, pages = [r.num_computed + n for r, n in zip(reqs, computed)], [r.pages for r in reqs]
         decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
         if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
@@ -265,12 +268,13 @@ class PendingStep:
             self.host = out
 
     def ahead_for(self, reqs: list) -> Ahead:
-        """What a step planned for `reqs` (rows of this step, every one of which samples)
-        while this one is in flight takes from it."""
+        """What a step planned for `reqs` while this one is in flight takes from it: rows of
+        this step (every one of which samples), then any prompts admitted beside them."""
         own = self.plan
         assert len(self.rows) == len(own.requests), "a step planned ahead follows one whose rows all sample"
         row = {id(r): i for i, r in enumerate(own.requests)}
-        index = [row[id(r)] for r in reqs]
+        carried = next((j for j, r in enumerate(reqs) if id(r) not in row), len(reqs))
+        index = [row[id(r)] for r in reqs[:carried]]
         ks = [own.draft_lens[i] for i in index]
         tokens, accepted, rejected = self.tokens, self.accepted, self.rejected
         if index != list(range(len(own.requests))):
@@ -279,10 +283,15 @@ class PendingStep:
             if accepted is not None:
                 accepted, rejected = accepted[index_t], rejected[index_t]
         computed = [own.num_new_tokens[i] + k for i, k in zip(index, ks)]
-        if accepted is None:
-            return Ahead(computed, [1] * len(reqs), tokens, tokens[:, 0], None)
-        last = tokens.gather(1, (accepted - 1)[:, None])[:, 0]
-        return Ahead(computed, [1 + k for k in ks], tokens, last, rejected)
+        last = tokens[:, 0] if accepted is None else tokens.gather(1, (accepted - 1)[:, None])[:, 0]
+        commits = [1 + k for k in ks]
+        fresh = len(reqs) - carried
+        if fresh:
+            computed, commits = computed + [0] * fresh, commits + [0] * fresh
+            tokens = torch.cat([tokens, tokens.new_zeros(fresh, tokens.shape[1])])
+            last = torch.cat([last, last.new_zeros(fresh)])
+            rejected = None if rejected is None else torch.cat([rejected, rejected.new_zeros(fresh)])
+        return Ahead(computed, commits, tokens, last, rejected, carried)
 
     def result(self) -> StepResult:
         b = len(self.plan.requests)

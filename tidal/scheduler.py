@@ -91,7 +91,24 @@ class Scheduler:
             budget -= num_new + k
             i += 1
 
-        # Waiting requests, first come first served; stop at the first that does not fit.
+        self._admit(plan, budget)
+        return plan
+
+    def _whole_prompts(self, budget: int, seats: int) -> int | None:
+        """Tokens of the waiting requests, first come first served, whose whole prompts fit in
+        `budget` and `seats`; None if the first that has a seat does not fit whole."""
+        tokens = 0
+        for req in itertools.islice(self.waiting, max(seats, 0)):
+            if tokens + req.num_tokens > budget:
+                return None if tokens == 0 else tokens
+            tokens += req.num_tokens
+        return tokens
+
+    def _admit(self, plan: StepPlan, budget: int, whole: bool = False) -> None:
+        """Admit waiting requests into `plan`, first come first served, within `budget` tokens
+        and the free pages; stop at the first that does not fit. With `whole`, only a request
+        whose whole prompt fits (so that the step samples every row)."""
+        ps = self.pool.page_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if not req.pages:
@@ -102,7 +119,7 @@ class Scheduler:
                     req.num_cached_prompt_tokens = req.num_computed
             num_new = min(req.num_tokens - req.num_computed, budget)
             need = pages_for(req.num_computed + num_new, ps) - len(req.pages)
-            if need > self.pool.num_free:
+            if need > self.pool.num_free or (whole and req.num_computed + num_new < req.num_tokens):
                 self._release(req)
                 req.num_computed = 0
                 break
@@ -114,7 +131,6 @@ class Scheduler:
             plan.num_new_tokens.append(num_new)
             plan.draft_lens.append(0)
             budget -= num_new
-        return plan
 
     def choose_ahead(self, plan: StepPlan) -> None:
         """Let the policy choose the next step's draft lengths now, while `plan` runs on the
@@ -138,8 +154,8 @@ class Scheduler:
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next step's plan, made while `plan` (every running request, each committing
         1 to 1 + K_i tokens) is still on the device (async scheduling), or None where its
-        outcome could change the next plan: requests wait to be admitted, or pages would have
-        to be taken back.
+        outcome could change the next plan: pages would have to be taken back, or a request
+        left waiting before it is one whose prompt does not fit whole.
 
         Each request is planned as if this step's tokens were in its state, every draft
         accepted (its row's tokens computed, 1 + K_i more known): its pages cover that, and the
@@ -148,15 +164,22 @@ class Scheduler:
         ends otherwise (EOS, a stop string, an abort, accepted tokens reaching max_tokens) has
         its row computed and dropped at commit. Nothing is preempted, so no request loses
         pages a step in flight writes to. Requests whose prompt ends in this step do not
-        draft yet (as in choose_ahead)."""
+        draft yet (as in choose_ahead). Waiting requests whose whole prompt fits are admitted
+        after the running ones (as in schedule): a prompt's step need not wait, device idle,
+        for the host to plan it after the step before."""
         rows = [(r, n, 1 + k) for r, n, k in zip(plan.requests, plan.num_new_tokens, plan.draft_lens)
                 if not r.finished]  # (request, tokens it feeds now, tokens it commits now at most)
-        if self.waiting or [r for r, _, _ in rows] != self.running:  # (requests compare by identity)
+        if [r for r, _, _ in rows] != self.running:  # (requests compare by identity)
             return None
         # Those that go on after this step (the others surely end in it, or might run past max_model_len).
         rows = [(r, n, c) for r, n, c in rows
                 if r.num_output_tokens + 1 < r.params.max_tokens and r.num_tokens + c < self.max_model_len]
         if not rows:
+            return None
+        # Prompts waiting are admitted whole, before drafts take the budget; one that does
+        # not fit whole at the head of the queue is chunked by schedule(), after the commit.
+        reserved = self._whole_prompts(self.max_num_batched_tokens - len(rows), self.max_num_seqs - len(self.running))
+        if reserved is None:
             return None
         ps = self.pool.page_size
         # Where each request's next token goes; pages each needs for it, and more for its drafts.
@@ -170,10 +193,12 @@ class Scheduler:
             if need:
                 req.pages += self.pool.allocate(need)
         if self.max_draft_len == 0:
-            return StepPlan(reqs, [1] * len(reqs), [0] * len(reqs))
+            plan = StepPlan(reqs, [1] * len(reqs), [0] * len(reqs))
+            self._admit(plan, self.max_num_batched_tokens - len(reqs), whole=True)
+            return plan
         decoding = [r for r, n, _ in rows if n == 1]
         draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1], plan)
-        budget = self.max_num_batched_tokens - len(reqs)
+        budget = self.max_num_batched_tokens - len(reqs) - reserved
         ks = [0] * len(reqs)
         for i, (req, end) in enumerate(zip(reqs, ends)):
             k = min(draft_lens.get(req.request_id, 0), budget)
@@ -185,7 +210,9 @@ class Scheduler:
             spare -= extra
             budget -= k
             ks[i] = k
-        return StepPlan(reqs, [1] * len(reqs), ks, choice)
+        plan = StepPlan(reqs, [1] * len(reqs), ks, choice)
+        self._admit(plan, self.max_num_batched_tokens - len(reqs) - sum(ks), whole=True)
+        return plan
 
     def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None,
                     in_flight: StepPlan | None = None) -> tuple[dict[str, int], object]:

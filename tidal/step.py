@@ -74,3 +74,5 @@ class Ahead:
     tokens: torch.Tensor     # [n, W] on the device: the tokens it commits, valid up to the accepted count
     last: torch.Tensor       # [n] on the device: the last of them, which the row feeds next
     rejected: torch.Tensor | None  # [n] on the device: commits less those really committed (None: no drafts)
+    carried: int             # rows [0, carried) are the step before's; the rest are prompts admitted
+                             # beside them, which take nothing from it (zeros above)

@@ -9,9 +9,8 @@
   prefill chunks share the step, it costs at least what its tokens cost in a compute-bound
   step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing;
   and a fixed cost on top (`prompt_fixed`, learned per longest draft K): such a step costs
-  more than its tokens' floor however few they are, and more with every draft step, since
-  nothing hides its host work (a prompt's arrival makes the engine plan the step only once
-  the one before has ended, while the device waits: `Scheduler.schedule_ahead`).
+  more than its tokens' floor however few they are, and more with every draft step than a
+  decode step does (a longer host launch, hidden only where a step in flight runs before it).
 - context: attention reads every token of every request's context; `context_ref` is the
   context per request the grid was measured at.
 - proposer: a fixed cost plus one per draft step (draft models run one forward per
