@@ -154,8 +154,8 @@ class Scheduler:
     def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
         """The next step's plan, made while `plan` (every running request, each committing
         1 to 1 + K_i tokens) is still on the device (async scheduling), or None where its
-        outcome could change the next plan: pages would have to be taken back, or a request
-        left waiting before it is one whose prompt does not fit whole.
+        outcome could change the next plan: pages would have to be taken back, or the first
+        request waiting for a free seat does not fit whole (schedule() chunks it).
 
         Each request is planned as if this step's tokens were in its state, every draft
         accepted (its row's tokens computed, 1 + K_i more known): its pages cover that, and the

@@ -40,8 +40,8 @@ A step that carries prefill chunks corrects only the prompt terms: the price of 
 compute-bound token when it has at least the tokens of the grid's largest shape, the fixed
 cost of its longest K otherwise. A smaller one's time is mostly fixed costs, which would
 teach the price their share per token (and make a draft beside a prompt look dear at
-higher loads; docs/design.md). One whose drafter catches up corrects only the price of catching up (a
-scale on the profiled one).
+higher loads; docs/design.md). One whose drafter catches up corrects only the price of
+catching up (a scale on the profiled one).
 """
 
 from __future__ import annotations
