@@ -96,7 +96,7 @@ class Trace:
             if step is not None:
                 shape = {**self._shape(plan), "behind": after is not None}
                 self.launches.append((shape, start, self._event()))
-                self.launched = self.launched or shape  # a step's first launch: the one it waits for
+                self.launched = self.launched or shape  # the step's host time goes to its first launch
             return step
         self.patch(core, "_launch", traced_launch)
         self.patch(core.runner, "launch", self.timed("launch_forward", core.runner.launch))

@@ -129,14 +129,17 @@ def test_step_kinds_tool(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_kinds import summarize
 
-    def line(new_tokens, drafted, accepted, seconds):
-        return {"policy": "fixed:2", "rows": 2, "new_tokens": new_tokens, "observed_s": seconds,
+    def line(step, new_tokens, drafted, accepted, seconds):
+        return {"policy": "fixed:2", "step": step, "rows": 2, "new_tokens": new_tokens, "observed_s": seconds,
                 "drafted": drafted, "accepted": accepted}
 
-    lines = [line(2, [2, 2], [1, 2], 0.01), line(30, [2, 0], [0, 0], 0.03), line(2, [1, 1], [0, 1], 0.01)]
+    lines = [line(1, 2, [2, 2], [1, 2], 0.01), line(2, 30, [2, 0], [0, 0], 0.03), line(3, 2, [1, 1], [0, 1], 0.01)]
     decode, prompt = summarize(lines)
     assert (decode["kind"], decode["steps"], decode["tokens"], decode["drafts_per_row"]) == ("decode", 2, 8, 1.5)
     assert (prompt["kind"], prompt["tokens"], prompt["share"]) == ("prompt", 2, pytest.approx(0.6))
     assert [r["kind"] for r in summarize(lines, split="k")] == ["decode K=1", "decode K=2", "prompt"]
     assert [r["kind"] for r in summarize(lines, split="around")] == ["after a prompt step", "before a prompt step",
                                                                      "prompt"]
+    (cell,) = summarize(lines, steps={"fixed:2": (2, 2)})  # one cell's steps of the policy
+    assert (cell["kind"], cell["steps"]) == ("prompt", 1)
+    assert summarize(lines, steps={"goodput": (1, 3)}) == []

@@ -273,8 +273,12 @@ class PendingStep:
         own = self.plan
         assert len(self.rows) == len(own.requests), "a step planned ahead follows one whose rows all sample"
         row = {id(r): i for i, r in enumerate(own.requests)}
-        carried = next((j for j, r in enumerate(reqs) if id(r) not in row), len(reqs))
-        index = [row[id(r)] for r in reqs[:carried]]
+        index = []
+        for r in reqs:  # this step's rows come first
+            if id(r) not in row:
+                break
+            index.append(row[id(r)])
+        carried = len(index)
         ks = [own.draft_lens[i] for i in index]
         tokens, accepted, rejected = self.tokens, self.accepted, self.rejected
         if index != list(range(len(own.requests))):

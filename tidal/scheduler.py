@@ -192,26 +192,23 @@ class Scheduler:
         for req, need in zip(reqs, needs):  # every row's next token first, then the drafts that fit
             if need:
                 req.pages += self.pool.allocate(need)
-        if self.max_draft_len == 0:
-            plan = StepPlan(reqs, [1] * len(reqs), [0] * len(reqs))
-            self._admit(plan, self.max_num_batched_tokens - len(reqs), whole=True)
-            return plan
-        decoding = [r for r, n, _ in rows if n == 1]
-        draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1], plan)
         budget = self.max_num_batched_tokens - len(reqs) - reserved
-        ks = [0] * len(reqs)
-        for i, (req, end) in enumerate(zip(reqs, ends)):
-            k = min(draft_lens.get(req.request_id, 0), budget)
-            extra = max(pages_for(end + k, ps) - len(req.pages), 0) if k else 0
-            if not k or extra > spare:
-                continue
-            if extra:
-                req.pages += self.pool.allocate(extra)
-            spare -= extra
-            budget -= k
-            ks[i] = k
+        ks, choice = [0] * len(reqs), None
+        if self.max_draft_len:
+            decoding = [r for r, n, _ in rows if n == 1]
+            draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1], plan)
+            for i, (req, end) in enumerate(zip(reqs, ends)):
+                k = min(draft_lens.get(req.request_id, 0), budget)
+                extra = max(pages_for(end + k, ps) - len(req.pages), 0) if k else 0
+                if not k or extra > spare:
+                    continue
+                if extra:
+                    req.pages += self.pool.allocate(extra)
+                spare -= extra
+                budget -= k
+                ks[i] = k
         plan = StepPlan(reqs, [1] * len(reqs), ks, choice)
-        self._admit(plan, self.max_num_batched_tokens - len(reqs) - sum(ks), whole=True)
+        self._admit(plan, budget + reserved, whole=True)
         return plan
 
     def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None,
