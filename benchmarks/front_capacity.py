@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 from common import SMOKE, write_model_dir
 
-from tidal.bench.client import run_load, spec_counters
+from tidal.bench.client import run_load, server_counters
 from tidal.bench.datasets import BenchRequest
 from tidal.bench.serve import free_port
 from tidal.bench.workload import Load, summarize_run
@@ -54,7 +54,8 @@ class ClockCore:
                 "acceptance_per_position": []}
         return {"num_running": len(self.running), "num_waiting": 0, "num_pages": 1, "num_free_pages": 1,
                 "prefix_cache_hit_pages": 0, "num_preemptions": 0, "num_steps": self.num_steps,
-                "num_steps_ahead": 0, "num_generated_tokens": self.num_generated_tokens, "spec": spec,
+                "num_steps_ahead": 0, "num_generated_tokens": self.num_generated_tokens,
+                "kernel_compiles_while_serving": 0, "spec": spec,
                 "policy": {"name": "none", "draft_len_counts": [0]}}
 
     def has_unfinished(self) -> bool:
@@ -143,10 +144,10 @@ def main() -> None:
         requests = [BenchRequest([100 + (i + j) % 300 for j in range(args.input_len)], args.output_len)
                     for i in range(args.num_prompts)]
         load = Load(f"c={args.concurrency}", phases=((args.concurrency, args.num_prompts),))
-        counters, before = spec_counters(url), cpu_seconds(server.pid)
+        counters, before = server_counters(url), cpu_seconds(server.pid)
         records, duration, spans = asyncio.run(run_load(url, "clock", load, requests, seed=0, temperature=0.7))
         api_cores = (cpu_seconds(server.pid) - before) / duration
-        row = summarize_run("clock", load, records, duration, spans, counters, spec_counters(url))
+        row = summarize_run("clock", load, records, duration, spans, counters, server_counters(url))
     finally:
         server.terminate()
         server.wait()

@@ -180,6 +180,7 @@ def test_matrix_smoke(checkpoint, tmp_path):
     for (workload, mode, load), r in rows.items():
         n = next(x.total_requests for x in loads if x.label == load)
         assert r["completed"] == n and r["failed"] == 0 and r["output_tokens"] == n * 6
+        assert r["kernel_compiles"] == 0  # (the CPU builds no kernel)
         if mode == "none":
             assert r["drafted_tokens"] == 0
         if mode == "goodput":
@@ -195,5 +196,6 @@ def test_matrix_smoke(checkpoint, tmp_path):
         assert 0 < spread["accepted_tokens"] <= spread["drafted_tokens"]
     table = format_matrix(report)
     assert "spread: 8 prompt / 6 output tokens" in table and "goodput / best other" in table
+    assert "kernels built" in table
     plot_matrix(report, tmp_path / "matrix.png")
     assert (tmp_path / "matrix.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -327,9 +327,12 @@ def test_advance_moves_each_row_to_its_next_position_until_its_limit():
         assert batch.seq_lens.tolist() == built.seq_lens.tolist()
         assert batch.slot_mapping.tolist() == [s if ok else -1 for s, ok in zip(built.slot_mapping.tolist(), live)]
     assert batch.positions.tolist() == [5, 4, 7]
-    # The kernel CUDA runs instead (here through Triton's interpreter) does the same.
-    kernel = ForwardBatch.build([[0]] * 3, [2, 3, 6], pages, PAGE_SIZE, "cpu")
-    eager = ForwardBatch.build([[0]] * 3, [2, 3, 6], pages, PAGE_SIZE, "cpu")
+    # The kernel CUDA runs instead (here through Triton's interpreter) does the same, for
+    # more rows than a kernel block too.
+    pages, starts = pages * 7, [2, 3, 6] * 7
+    limits = limits.repeat(7)
+    kernel = ForwardBatch.build([[0]] * 21, starts, pages, PAGE_SIZE, "cpu")
+    eager = ForwardBatch.build([[0]] * 21, starts, pages, PAGE_SIZE, "cpu")
     for _ in range(4):
         fused.advance(limits, kernel.seq_lens, kernel.positions, kernel.slot_mapping, kernel.page_table, PAGE_SIZE)
         eager.advance(limits, PAGE_SIZE)
@@ -341,19 +344,20 @@ def test_move_back_puts_rows_where_they_really_are():
     """A step planned ahead of a drafting one is built as if every draft were accepted,
     then moved back on the device by the drafts rejected: it must equal the batch built at
     the real positions, across page boundaries, with padding still storing nowhere."""
-    pages = [[3, 1, 4], [5, 2], [7, 6, 8]]
-    feeds, contexts, rejected = [[0, 0, 0], [0], [0, 0]], [5, 3, 8], [2, 0, 3]
-    batch = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=8)
+    # (The last row is a prompt admitted beside them: more tokens than a kernel block, none rejected.)
+    pages = [[3, 1, 4], [5, 2], [7, 6, 8], [9, 10, 11, 12, 13, 14]]
+    feeds, contexts, rejected = [[0, 0, 0], [0], [0, 0], [0] * 21], [5, 3, 8, 0], [2, 0, 3, 0]
+    batch = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=32)
     batch.move_back(torch.tensor(rejected), PAGE_SIZE)
     real = [c - r for c, r in zip(contexts, rejected)]
-    built = ForwardBatch.build(feeds, real, pages, PAGE_SIZE, "cpu", pad_tokens=8)
+    built = ForwardBatch.build(feeds, real, pages, PAGE_SIZE, "cpu", pad_tokens=32)
     for field in ("positions", "seq_lens", "slot_mapping", "query_start_loc", "last_index"):
         assert getattr(batch, field).tolist() == getattr(built, field).tolist(), field
     assert batch.slot_mapping.tolist()[-2:] == [-1, -1]
     # The kernel CUDA runs instead (here through Triton's interpreter) does the same.
-    kernel = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=8)
+    kernel = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=32)
     fused.move_back(torch.tensor(rejected), kernel.query_start_loc, kernel.seq_lens, kernel.positions,
-                    kernel.slot_mapping, kernel.page_table, PAGE_SIZE, kernel.max_query_len)
+                    kernel.slot_mapping, kernel.page_table, PAGE_SIZE)
     for field in ("positions", "seq_lens", "slot_mapping"):
         assert getattr(kernel, field).tolist() == getattr(built, field).tolist(), field
 

@@ -1,9 +1,15 @@
 """Start-up measurements (`tidal.profiling`): the largest step the memory plan runs stays
 within the step's bounds and leaves the engine serving exactly; the cost profile is kept
-between engines of the same shape and measured again for another."""
+between engines of the same shape and measured again for another; kernels built after
+start-up are counted."""
+
+import logging
+
+import pytest
 
 from checkpoints import make_eagle3_checkpoint
 from tidal import LLM, SamplingParams
+from tidal.compiles import CompileWatch
 from tidal.profiling import largest_step_pages, plan_pages, run_largest_steps
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -46,3 +52,32 @@ def test_the_cost_profile_is_kept_for_the_same_shapes(checkpoint, tmp_path, monk
     assert (again.grid == first.grid).all() and again.catch_up_token == first.catch_up_token
     assert other.source.startswith("profile:")  # another K: another grid
     assert len(list((tmp_path / "cache").glob("costs-*.json"))) == 2
+
+
+def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog):
+    """A Triton kernel built after start-up is a stall in a user's step: the watch counts
+    and logs those (and only those) through Triton's compile hooks, and leaves any hook
+    that was there before in the chain."""
+    knobs = pytest.importorskip("triton").knobs
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **kw: seen.append(kw["key"]))
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    watch = CompileWatch()
+    watch.start_up()
+
+    def build(key):
+        info = dict(key=key, repr=f"_kernel[{key}]", fn=None, compile={}, is_manual_warmup=False,
+                    already_compiled=False)
+        knobs.runtime.jit_cache_hook(**info)
+        knobs.runtime.jit_post_compile_hook(**info)
+
+    build("at start-up")
+    assert watch.count == 0
+    watch.serving()
+    with caplog.at_level(logging.WARNING, logger="tidal.compiles"):
+        build("mid-serving")
+    assert watch.count == 1 and "_kernel[mid-serving]" in caplog.text and "while serving" in caplog.text
+    assert seen == ["at start-up", "mid-serving"]
+    watch.start_up()  # another engine's start-up in the same process
+    build("its start-up")
+    assert watch.count == 1

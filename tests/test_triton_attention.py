@@ -1,6 +1,7 @@
 """Triton paged attention, run on the CPU through the Triton interpreter."""
 
 import os
+from types import SimpleNamespace
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when kernels are decorated: set before importing them
 
@@ -12,7 +13,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
 from tidal.attention.triton_attn import (  # noqa: E402
-    AttentionConfig, TritonAttention, choose_config, paged_attention, rotate_and_store,
+    AttentionConfig, TritonAttention, choose_config, every_config, paged_attention, rotate_and_store,
 )
 from tidal.batch import ForwardBatch  # noqa: E402
 
@@ -215,3 +216,22 @@ def test_matches_torch_reference_backend():
     want = torch_ref.TorchAttention().forward(q, k, v, ref_cache, batch, 0.125)
     assert torch.equal(cache, ref_cache)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads, head_dim, dtype", [((32, 8), 128, torch.bfloat16), ((8, 8), 64, torch.float32),
+                                                    ((16, 2), 256, torch.bfloat16), ((4, 1), 64, torch.float16)])
+def test_every_config_holds_each_variant_a_step_can_pick(heads, head_dim, dtype):
+    """Start-up builds the kernel variants of `every_config` (tile sizes, with or without
+    split-KV); whatever batch a step brings, `choose_config` must pick one of them, or the
+    step would build a kernel while a user waits (and each is one a step can pick)."""
+    def variant(config):
+        return config.block_m, config.block_n, config.num_warps, config.num_stages, config.num_splits > 1
+
+    built = {variant(c) for c in every_config(*heads, head_dim, dtype)}
+    picked = set()
+    for num_seqs in (1, 2, 3, 7, 16, 64, 256):
+        for query_len in (1, 2, 3, 5, 8, 9, 16, 17, 33, 64, 65, 300, 2048):
+            for context in (0, 100, 700, 5000, 40000):
+                batch = SimpleNamespace(num_seqs=num_seqs, max_query_len=query_len, max_seq_len=context + query_len)
+                picked.add(variant(choose_config(batch, *heads, head_dim, dtype, torch.device("cpu"))))
+    assert picked == built

@@ -95,7 +95,7 @@ class ForwardBatch:
             from tidal.layers import fused
 
             fused.move_back(rejected, self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping,
-                            self.page_table, page_size, self.max_query_len)
+                            self.page_table, page_size)
             return
         n = rejected.shape[0]
         token = torch.arange(self.num_tokens, dtype=torch.int32, device=rejected.device)

@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 
+from tidal.compiles import watch as compile_watch
 from tidal.config import EngineConfig
 from tidal.kv_cache import PagePool
 from tidal.models.config import ModelConfig
@@ -57,6 +58,8 @@ class EngineCore:
                              "tokens (max_position_embeddings in its config.json)")
         self.max_model_len = config.max_model_len or limit
         self.runner = ModelRunner(config, self.model_config, self.max_model_len)
+        if self.runner.device.type == "cuda":
+            compile_watch.start_up()
         spec = config.speculative_config
         self.proposer = build_proposer(spec, self.runner, self.model_config) if spec else None
         self.runner.allocate_cache(config.num_pages or plan_pages(self.runner, self.proposer))
@@ -94,6 +97,7 @@ class EngineCore:
         self.num_steps = 0
         self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
         self.num_generated_tokens = 0
+        compile_watch.serving()
         logger.info(self.describe())
         logger.info("engine start-up took %.1f s (graph capture and kernel warm-up %.1f s)",
                     time.perf_counter() - started, capture_s)
@@ -234,6 +238,7 @@ class EngineCore:
             "num_steps": self.num_steps,
             "num_steps_ahead": self.num_steps_ahead,
             "num_generated_tokens": self.num_generated_tokens,
+            "kernel_compiles_while_serving": compile_watch.count,
             "spec": self.scheduler.spec.as_dict(),
             "policy": {**self.scheduler.policy.stats(), "draft_len_counts": list(self.scheduler.draft_len_counts)},
         }

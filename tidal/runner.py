@@ -130,13 +130,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile the eager path's Triton kernels now rather than in a user's step (graphs
-        cover decodes, verification and steps of up to `PIECEWISE_BUCKETS[-1]` tokens; longer
-        steps run eagerly, and so does everything with `enforce_eager`)."""
+        """Build the Triton kernels steps run outside graphs now rather than in a user's step
+        (graphs cover decodes, verification and steps of up to `PIECEWISE_BUCKETS[-1]`
+        tokens; longer steps run eagerly, and so does everything with `enforce_eager`): the
+        eager forwards, sampling and verification (`fused.build_sampling_variants`), and
+        moving a batch's rows on the device. `tidal.compiles` logs any variant still missed."""
         if self.device.type != "cuda":
             return
+        from tidal.layers import fused
+
         for batch in self.warmup_batches(self.config.max_num_batched_tokens):
             self.model(batch.input_ids, batch, self.kv_caches)
+        spec = self.config.speculative_config
+        fused.build_sampling_variants(self.model_config.vocab_size, 1 + (spec.num_speculative_tokens if spec else 0),
+                                      self.device)
+        batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], self.page_size, self.device)
+        batch.move_back(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
+        batch.advance(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
         torch.cuda.synchronize(self.device)
 
     def kv_bytes_per_page(self, mc: ModelConfig) -> int:

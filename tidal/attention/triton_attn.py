@@ -225,20 +225,27 @@ def _num_sms(device: torch.device) -> int:
     return 132  # interpreter on CPU: behave like an H100/H200
 
 
+def _tiles(rows: int, group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(block_m, block_n) for a query block of `rows` (token, head) rows."""
+    wide = dtype == torch.float32 or head_dim > 128  # keep big tiles within shared memory
+    if rows <= 64:  # decode / verification: one query block per request
+        block_m = max(16, _next_pow2(rows))
+    else:
+        block_m = 64 if wide else 128
+    return max(block_m, _next_pow2(group)), 32 if wide else 64
+
+
+def _config(block_m: int, block_n: int, num_splits: int) -> AttentionConfig:
+    return AttentionConfig(block_m, block_n, num_splits, 8 if block_m >= 128 else 4, 3)
+
+
 def choose_config(
     batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device,
 ) -> AttentionConfig:
     """Pick tile sizes and the split count from host ints only."""
     group = num_heads // num_kv_heads
-    wide = dtype == torch.float32 or head_dim > 128  # keep big tiles within shared memory
-    rows = batch.max_query_len * group
-    if rows <= 64:  # decode / verification: one query block per request
-        block_m = max(16, _next_pow2(rows))
-    else:
-        block_m = 64 if wide else 128
-    block_m = max(block_m, _next_pow2(group))
-    block_n = 32 if wide else 64
+    block_m, block_n = _tiles(batch.max_query_len * group, group, head_dim, dtype)
     q_blocks = triton.cdiv(batch.max_query_len, block_m // group)
     programs = batch.num_seqs * num_kv_heads * q_blocks
     sms = _num_sms(device)
@@ -246,7 +253,15 @@ def choose_config(
     if programs < sms:
         num_splits = max(1, min(triton.cdiv(2 * sms, programs),
                                 triton.cdiv(batch.max_seq_len, _MIN_SPLIT_KEYS), _MAX_SPLITS))
-    return AttentionConfig(block_m, block_n, num_splits, 8 if block_m >= 128 else 4, 3)
+    return _config(block_m, block_n, num_splits)
+
+
+def every_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> list[AttentionConfig]:
+    """One configuration of each kernel variant choose_config can pick for this geometry:
+    its tile sizes, with and without split-KV (the split count itself is not specialised on)."""
+    group = num_heads // num_kv_heads
+    tiles = {_tiles(rows, group, head_dim, dtype) for rows in (16, 32, 64, 128)}
+    return [_config(block_m, block_n, splits) for block_m, block_n in sorted(tiles) for splits in (1, 2)]
 
 
 def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -328,7 +343,7 @@ def paged_attention(
             part, lse, out, cfg.num_splits,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(cfg.num_splits),
+            HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(_MAX_SPLITS),  # one variant for every split count
         )
     return out
 
@@ -338,10 +353,29 @@ class TritonAttention:
 
     name = "triton"
 
+    def __init__(self):
+        self.built: set[tuple] = set()  # geometries whose every kernel variant is built
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
+        self._build_every_variant(q, kv_cache, batch, scale)
         return paged_attention(q, kv_cache, batch, scale, out=out)
+
+    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+                             scale: float) -> None:
+        """At the first forward of a geometry (heads, head size, dtype, page size) that is not
+        being captured in a CUDA graph (the engine's start-up), attend this batch once with
+        every configuration `choose_config` can pick, into scratch: each is then built before
+        any user's step needs it. Which tile a step takes depends on its query lengths and
+        batch, so a variant first met while serving would be built inside that step."""
+        geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype)
+        if not q.is_cuda or geometry in self.built or torch.cuda.is_current_stream_capturing():
+            return
+        self.built.add(geometry)
+        scratch = torch.empty_like(q)
+        for config in every_config(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype):
+            paged_attention(q, kv_cache, batch, scale, config, out=scratch)

@@ -91,10 +91,10 @@ async def client_loop(todo: deque[BenchRequest], send, phase: int) -> None:
         await send(todo.popleft(), phase)
 
 
-def spec_counters(base_url: str) -> dict:
-    """The server's speculation totals: drafted and accepted tokens, request-steps that
-    verified drafts, and how often each draft length K was chosen (from the cumulative
-    `tidal_spec_draft_length` histogram)."""
+def server_counters(base_url: str) -> dict:
+    """The server's totals a run reports the change of: drafted and accepted tokens,
+    request-steps that verified drafts, how often each draft length K was chosen (from the
+    cumulative `tidal_spec_draft_length` histogram), and kernels built while serving."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     samples = {}
     buckets = []
@@ -107,7 +107,8 @@ def spec_counters(base_url: str) -> dict:
     return {"drafted": samples["tidal_spec_draft_tokens_total"],
             "accepted": samples["tidal_spec_accepted_tokens_total"],
             "draft_steps": samples["tidal_spec_draft_steps_total"],
-            "k_counts": [b - a for a, b in zip([0.0] + cumulative, cumulative)]}
+            "k_counts": [b - a for a, b in zip([0.0] + cumulative, cumulative)],
+            "kernel_compiles": samples["tidal_kernel_compiles_while_serving_total"]}
 
 
 def served_model(base_url: str) -> str:

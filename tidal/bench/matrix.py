@@ -17,7 +17,7 @@ import asyncio
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from tidal.bench.client import run_load, served_model, spec_counters
+from tidal.bench.client import run_load, served_model, server_counters
 from tidal.bench.datasets import random_requests
 from tidal.bench.report import text_table
 from tidal.bench.serve import server_process
@@ -91,11 +91,11 @@ def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *
                                                   desc=f"{mode} {w.name} warm-up"))
                 check_warm_up(mode, warm)
                 for j, (load, requests) in enumerate(zip(loads, cells)):
-                    before = spec_counters(url)
+                    before = server_counters(url)
                     records, duration, spans = asyncio.run(run_load(
                         url, name, load, requests, seed=seed + j, temperature=w.temperature, extra=extra,
                         desc=f"{mode} {w.name} {load.label}"))
-                    row = summarize_run(mode, load, records, duration, spans, before, spec_counters(url))
+                    row = summarize_run(mode, load, records, duration, spans, before, server_counters(url))
                     rows.append({"workload": w.name, **row})
                     if on_cell:
                         on_cell(report)
@@ -126,8 +126,8 @@ def add_matrix_ratios(report: dict) -> None:
 
 def format_matrix(report: dict) -> str:
     """One table per workload: output tokens/s per load and mode (`cell_rate`), goodput / best
-    other mode (on it and on the whole run's throughput), goodput's mean K and the failed
-    requests of the cell."""
+    other mode (on it and on the whole run's throughput), goodput's mean K, and the cell's
+    failed requests and kernels built while it ran (each a stall: `tidal.compiles`)."""
     by_key = {(r["workload"], r["mode"], r["load"]): r for r in report["results"]}
     lines = [f"tidal bench matrix: {report['model']}; acceptance is SIMULATED; output tokens/s while the load "
              "was whole (first request sent to last)", ""]
@@ -137,7 +137,7 @@ def format_matrix(report: dict) -> str:
         header = ["load", *(f"{m} tok/s" for m in report["modes"])]
         has_goodput = "goodput" in report["modes"]
         header += ["goodput / best other", "(whole run)", "goodput mean K"] if has_goodput else []
-        header += ["failed"]
+        header += ["failed", "kernels built"]
         rows = []
         for load in report["loads"]:
             cell = [by_key[(w["name"], m, load)] for m in report["modes"]]
@@ -146,7 +146,7 @@ def format_matrix(report: dict) -> str:
                 g = by_key[(w["name"], "goodput", load)]
                 row += [f"{g[key]:.3f}" if key in g else "-" for key in ("vs_best_other", "vs_best_other_whole_run")]
                 row += [f"{g['mean_k']:.2f}"]
-            rows.append(row + [str(sum(r["failed"] for r in cell))])
+            rows.append(row + [str(sum(r["failed"] for r in cell)), str(sum(r["kernel_compiles"] for r in cell))])
         lines += [text_table(header, rows), ""]
     return "\n".join(lines)
 

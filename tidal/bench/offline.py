@@ -18,9 +18,11 @@ from tidal.llm import LLMEngine
 
 
 def engine_counters(engine: LLMEngine) -> dict:
+    """`client.server_counters`, read from an engine in this process."""
     stats = engine.stats()
     return {"drafted": stats["spec"]["num_drafted"], "accepted": stats["spec"]["num_accepted"],
-            "draft_steps": stats["spec"]["num_steps"], "k_counts": list(stats["policy"]["draft_len_counts"])}
+            "draft_steps": stats["spec"]["num_steps"], "k_counts": list(stats["policy"]["draft_len_counts"]),
+            "kernel_compiles": stats["kernel_compiles_while_serving"]}
 
 
 class LoadDriver:

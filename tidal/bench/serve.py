@@ -17,7 +17,7 @@ from typing import Iterator
 
 import httpx
 
-from tidal.bench.client import run_load, served_model, spec_counters
+from tidal.bench.client import run_load, served_model, server_counters
 from tidal.bench.datasets import BenchRequest
 from tidal.bench.workload import (Load, check_warm_up, mode_spec_config, split_requests, summarize_run, sweep_report,
                                   warm_up_load)
@@ -93,10 +93,10 @@ def run_sweep(modes: list[str], loads: list[Load], requests: list[BenchRequest],
                                               temperature=temperature, desc=f"{mode} warm-up"))
             check_warm_up(mode, warm)
             for i, (load, load_requests) in enumerate(zip(loads, per_load)):
-                before = spec_counters(url)
+                before = server_counters(url)
                 records, duration, spans = asyncio.run(run_load(url, name, load, load_requests, seed=seed + i,
                                                                 temperature=temperature, desc=f"{mode} {load.label}"))
-                rows.append(summarize_run(mode, load, records, duration, spans, before, spec_counters(url)))
+                rows.append(summarize_run(mode, load, records, duration, spans, before, server_counters(url)))
     return sweep_report("serve", modes, loads, rows, model=model, base_url=base_url, spec_config=spec_config,
                         mode_configs=configs, dataset=dataset, seed=seed, temperature=temperature)
 

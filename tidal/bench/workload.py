@@ -223,11 +223,11 @@ def request_times(records: list[RequestRecord]) -> list[list[float]]:
             for r in records]
 
 
-def spec_delta(before: dict, after: dict) -> dict:
-    """Speculation during a run, from two snapshots {drafted, accepted, draft_steps,
-    k_counts}: the acceptance rate, the mean accepted length (accepted drafts + 1 per
-    request-step that verified drafts) and the share of each K the policy chose for
-    decoding requests (a proposer may draft fewer, as n-gram does when it finds nothing)."""
+def counters_delta(before: dict, after: dict) -> dict:
+    """Speculation during a run, from two `server_counters` snapshots: the acceptance rate,
+    the mean accepted length (accepted drafts + 1 per request-step that verified drafts),
+    the share of each K the policy chose for decoding requests (a proposer may draft fewer,
+    as n-gram does when it finds nothing), and the kernels built while it ran."""
     drafted = after["drafted"] - before["drafted"]
     accepted = after["accepted"] - before["accepted"]
     drafting_steps = after["draft_steps"] - before["draft_steps"]
@@ -240,14 +240,15 @@ def spec_delta(before: dict, after: dict) -> dict:
         "mean_accepted_length": 1 + accepted / drafting_steps if drafting_steps else 1.0,
         "mean_k": sum(k * n for k, n in enumerate(counts)) / steps if steps else 0.0,
         "k_share": [n / steps for n in counts] if steps else [],
+        "kernel_compiles": after["kernel_compiles"] - before["kernel_compiles"],
     }
 
 
 def summarize_run(mode: str, load: Load, records: list[RequestRecord], duration: float,
-                  spans: list[tuple[int, float]], spec_before: dict, spec_after: dict) -> dict:
+                  spans: list[tuple[int, float]], before: dict, after: dict) -> dict:
     """One row of the report: a mode under a load. `spans` are (phase, seconds) of each
     closed-loop phase as it ran; a load of several phases also gets a summary per phase."""
-    row = {"mode": mode, "load": load.label, **summarize(records, duration), **spec_delta(spec_before, spec_after),
+    row = {"mode": mode, "load": load.label, **summarize(records, duration), **counters_delta(before, after),
            "request_times_ms": request_times(records)}
     if len(load.phases) > 1 or load.cycles > 1:
         row["phases"] = [

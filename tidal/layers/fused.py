@@ -18,6 +18,8 @@ one kernel too.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -272,7 +274,7 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
     return _arrivals[device]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["BLOCKS_PER_SPLIT"])  # it changes with the row count
 def _first_best_kernel(x_ptr, keys_ptr, best_ptr, index_ptr, out_ptr, lookup_ptr, count_ptr, stride, V,
                        BLOCKS_PER_SPLIT, BLOCK: tl.constexpr, RACE: tl.constexpr, SPLIT: tl.constexpr,
                        SPLITS_PAD: tl.constexpr, LOOKUP: tl.constexpr):
@@ -372,6 +374,9 @@ def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _first_best(probs, keys)
 
 
+_ROW_KEYS_BLOCK = 256
+
+
 @triton.jit(do_not_specialize=["s_seed0", "s_seed1", "s_count0", "s_count1", "C", "N"])  # no compiles mid-serving
 def _row_keys_kernel(seeds_ptr, counters_ptr, out_ptr, s_seed0, s_seed1, s_count0, s_count1, C, N, stream_key,
                      UNIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -399,10 +404,10 @@ def row_keys(seeds: torch.Tensor, counters: torch.Tensor, stream_key: int, unit:
     seeds2, counters2 = (torch.broadcast_to(t, shape).reshape(-1, cols) for t in (seeds, counters))
     out = torch.empty(shape, dtype=torch.float32 if unit else torch.int64, device=seeds.device)
     n = out.numel()
-    if n:
-        block = min(1024, triton.next_power_of_2(n))
-        _row_keys_kernel[(triton.cdiv(n, block),)](seeds2, counters2, out, *seeds2.stride(), *counters2.stride(),
-                                                   cols, n, stream_key, UNIT=unit, BLOCK=block)
+    if n:  # one block size whatever n, so that no batch builds another kernel
+        _row_keys_kernel[(triton.cdiv(n, _ROW_KEYS_BLOCK),)](seeds2, counters2, out, *seeds2.stride(),
+                                                             *counters2.stride(), cols, n, stream_key, UNIT=unit,
+                                                             BLOCK=_ROW_KEYS_BLOCK)
     return out
 
 
@@ -490,7 +495,7 @@ def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tens
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sb0", "sd0", "su0", "su1", "K", "W"])  # they change with the width
 def _accept_matching_kernel(best_ptr, drafts_ptr, lens_ptr, u_ptr, tokens_ptr, accept_ptr, sb0, sb1, sd0, sd1, su0,
                           su1, K, W, SIMULATE: tl.constexpr, BLOCK: tl.constexpr):
     """Row program: the accepted prefix of the drafts (each equal to the target's token
@@ -526,40 +531,45 @@ def accept_matching(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.
         u_strides = (0, 0) if u is None else u.stride()
         _accept_matching_kernel[(b,)](best, drafts, draft_lens.contiguous(), drafts if u is None else u, tokens, accept,
                                     *best.stride(), *drafts.stride(), *u_strides, w - 1, w,
-                                    SIMULATE=u is not None, BLOCK=triton.next_power_of_2(w))
+                                    SIMULATE=u is not None, BLOCK=max(8, triton.next_power_of_2(w)))
     return tokens, accept
 
 
-@triton.jit
+# The page table's width and the batch's size change from step to step: not specialised on.
+@triton.jit(do_not_specialize=["table_stride"])
 def _move_back_kernel(rejected_ptr, query_start_ptr, seq_lens_ptr, pos_ptr, slot_ptr, table_ptr, table_stride,
                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     back = tl.load(rejected_ptr + row)
     tl.store(seq_lens_ptr + row, tl.load(seq_lens_ptr + row) - back.to(tl.int32))
-    offs = tl.load(query_start_ptr + row) + tl.arange(0, BLOCK)
-    mask = offs < tl.load(query_start_ptr + row + 1)
-    pos = tl.load(pos_ptr + offs, mask=mask, other=0) - back
-    tl.store(pos_ptr + offs, pos, mask=mask)
-    slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
-    stores = mask & (slot >= 0)
-    page = tl.load(table_ptr + row * table_stride + pos // PAGE_SIZE, mask=stores, other=0).to(tl.int64)
-    tl.store(slot_ptr + offs, tl.where(stores, page * PAGE_SIZE + pos % PAGE_SIZE, -1), mask=mask)
+    end = tl.load(query_start_ptr + row + 1)
+    for start in range(tl.load(query_start_ptr + row), end, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < end
+        pos = tl.load(pos_ptr + offs, mask=mask, other=0) - back
+        tl.store(pos_ptr + offs, pos, mask=mask)
+        slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
+        stores = mask & (slot >= 0)
+        page = tl.load(table_ptr + row * table_stride + pos // PAGE_SIZE, mask=stores, other=0).to(tl.int64)
+        tl.store(slot_ptr + offs, tl.where(stores, page * PAGE_SIZE + pos % PAGE_SIZE, -1), mask=mask)
 
 
 def move_back(rejected: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
               positions: torch.Tensor, slot_mapping: torch.Tensor, page_table: torch.Tensor,
-              page_size: int, max_query_len: int) -> None:
+              page_size: int) -> None:
     """`ForwardBatch.move_back` in one kernel, in place: a program per row moves its tokens
     back by rejected[row] and recomputes their slots (the eager version is a dozen kernels)."""
     _move_back_kernel[(rejected.shape[0],)](rejected, query_start_loc, seq_lens, positions, slot_mapping, page_table,
-                                            page_table.stride(0), PAGE_SIZE=page_size,
-                                            BLOCK=triton.next_power_of_2(max_query_len))
+                                            page_table.stride(0), PAGE_SIZE=page_size, BLOCK=_BATCH_BLOCK)
 
 
-@triton.jit
+_BATCH_BLOCK = 16  # tokens (move_back) or rows (advance) a program handles at a time
+
+
+@triton.jit(do_not_specialize=["table_stride", "B"])
 def _advance_kernel(limits_ptr, seq_lens_ptr, pos_ptr, slot_ptr, table_ptr, table_stride, B,
                     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.arange(0, BLOCK)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < B
     pos = tl.load(pos_ptr + rows, mask=ok, other=0)
     step = ok & (pos + 1 < tl.load(limits_ptr + rows, mask=ok, other=0))
@@ -575,5 +585,32 @@ def advance(limits: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tenso
     """`ForwardBatch.advance` in one kernel, in place (the eager version is a dozen kernels,
     in every one of a drafter's steps after the first)."""
     b = positions.shape[0]
-    _advance_kernel[(1,)](limits, seq_lens, positions, slot_mapping, page_table, page_table.stride(0), b,
-                          PAGE_SIZE=page_size, BLOCK=triton.next_power_of_2(b))
+    _advance_kernel[(triton.cdiv(b, _BATCH_BLOCK),)](limits, seq_lens, positions, slot_mapping, page_table,
+                                                     page_table.stride(0), b, PAGE_SIZE=page_size, BLOCK=_BATCH_BLOCK)
+
+
+def build_argmax_variants(vocab_size: int, device: torch.device, lookup: torch.Tensor | None = None) -> None:
+    """Build `argmax` over this vocabulary (with `lookup`, if given) for rows split over several
+    programs and for rows enough to take one each: the two variants the row count picks."""
+    for n in (1, _BEST_PROGRAMS):
+        argmax(torch.zeros(n, vocab_size, device=device), lookup=lookup)
+
+
+def build_sampling_variants(vocab_size: int, max_width: int, device: torch.device) -> None:
+    """Build, at start-up, every variant of the sampling and acceptance kernels that steps
+    over this vocabulary can reach (verification up to `max_width` tokens a row), so that
+    none is built inside a user's step. Sizes and strides that change from step to step are
+    not specialised on; what is left are the kernels' flags, and the split of a row over
+    programs, which depends on the row count. (The per-layer kernels take the model's fixed
+    shapes: a forward builds them.)"""
+    zeros = functools.partial(torch.zeros, device=device)
+    build_argmax_variants(vocab_size, device)
+    for n in (1, _BEST_PROGRAMS):
+        race_sample(zeros(n, vocab_size), zeros(n, dtype=torch.int64))
+    top_p_threshold(zeros(1, vocab_size), zeros(1), zeros(1) + 0.5)
+    for unit in (False, True):
+        row_keys(zeros(1, dtype=torch.int64), zeros(1, dtype=torch.int64), 0, unit)
+    if max_width > 1:
+        best, drafts = zeros(1, max_width, dtype=torch.int64), zeros(1, max_width - 1, dtype=torch.int64)
+        for u in (None, zeros(1, max_width - 1)):  # (simulated acceptance, for benchmarks)
+            accept_matching(best, drafts, zeros(1, dtype=torch.int64), u)

@@ -81,6 +81,8 @@ class EngineStatsCollector:
         yield CounterMetricFamily("tidal_steps_ahead", "Steps queued on the device behind the one before "
                                   "(async scheduling)", s["num_steps_ahead"])
         yield CounterMetricFamily("tidal_generation_tokens", "Output tokens committed", s["num_generated_tokens"])
+        yield CounterMetricFamily("tidal_kernel_compiles_while_serving", "Triton kernels built after start-up "
+                                  "(each a stall in the step that needed it)", s["kernel_compiles_while_serving"])
         spec = s["spec"]
         yield CounterMetricFamily("tidal_spec_draft_tokens", "Draft tokens proposed and verified",
                                   spec["num_drafted"])

@@ -107,14 +107,18 @@ class ChainDrafter(ABC):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Compile the drafter's Triton kernels for eager catch-up shapes, then capture its
-        graphs, at start-up."""
+        """Build the drafter's Triton kernels for eager catch-up shapes (and its argmax over a
+        draft vocabulary of its own), then capture its graphs, at start-up."""
         runner = self.runner
         if runner.device.type != "cuda":
             return
         for batch in runner.warmup_batches(runner.config.max_num_batched_tokens):
             self._catch_up(batch, self.dummy_state(batch.num_tokens, True))
             self.forward(batch, self.dummy_state(batch.num_tokens, False))
+        if self.draft_ids is not None:
+            from tidal.layers import fused
+
+            fused.build_argmax_variants(len(self.draft_ids), runner.device, self.draft_ids)
         torch.cuda.synchronize(runner.device)
         if runner.config.enforce_eager:
             return
