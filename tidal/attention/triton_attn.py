@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tidal.batch import ForwardBatch
+from tidal.kv_cache import NULL_PAGE
 from tidal.layers.rotary import RotaryEmbedding
 
 _LOG2E = 1.4426950408889634
@@ -362,20 +363,20 @@ class TritonAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
-        self._build_every_variant(q, kv_cache, batch, scale)
+        self._build_every_variant(q, kv_cache)
         return paged_attention(q, kv_cache, batch, scale, out=out)
 
-    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-                             scale: float) -> None:
+    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """At the first forward of a geometry (heads, head size, dtype, page size) that is not
-        being captured in a CUDA graph (the engine's start-up), attend this batch once with
-        every configuration `choose_config` can pick, into scratch: each is then built before
-        any user's step needs it. Which tile a step takes depends on its query lengths and
-        batch, so a variant first met while serving would be built inside that step."""
+        being captured in a CUDA graph (the engine's start-up), attend one token over the
+        null page with every configuration `choose_config` can pick: each is then built
+        before any user's step needs it. Which tile a step takes depends on its query lengths
+        and batch, so a variant first met while serving would be built inside that step."""
         geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype)
         if not q.is_cuda or geometry in self.built or torch.cuda.is_current_stream_capturing():
             return
         self.built.add(geometry)
-        scratch = torch.empty_like(q)
+        batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], kv_cache.shape[2], q.device)
+        one = torch.zeros_like(q[:1])
         for config in every_config(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype):
-            paged_attention(q, kv_cache, batch, scale, config, out=scratch)
+            paged_attention(one, kv_cache, batch, 1.0, config)
