@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from checkpoints import ARCHS, make_checkpoint, make_eagle3_checkpoint
 from tidal.attention.torch_ref import TorchAttention
-from tidal.batch import ForwardBatch
+from tidal.batch import ForwardBatch, to_device_parts
 from tidal.graphs import CudaGraphs
 from tidal.layers import fused
 from tidal.layers.rotary import RotaryEmbedding
@@ -394,3 +394,14 @@ def test_advance_on_graph_inputs_leaves_padding_rows_alone():
     assert view.seq_lens.tolist() == built.seq_lens.tolist() + [0]
     # Rows 0 and 1 moved twice; row 2 reached its limit after one move and stores nowhere.
     assert view.slot_mapping.tolist() == built.slot_mapping.tolist()[:2] + [-1, -1]
+
+
+def test_parts_copied_together_each_start_aligned():
+    """Host lists copied in one go keep their values, and each part starts 16-byte aligned
+    whatever the lengths before it: a kernel reading a part is built for its pointer's
+    alignment, and a part at an odd offset would build another while serving."""
+    parts = [[1, 2, 3], [], [4], [5, 6, 7, 8, 9], [10]]
+    for dtype in (torch.int64, torch.int32):
+        got = to_device_parts(parts, dtype, "cpu")
+        assert [t.tolist() for t in got] == parts and all(t.dtype == dtype for t in got)
+        assert all(t.data_ptr() % 16 == 0 for t in got)

@@ -24,6 +24,16 @@ def to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Ten
     return t
 
 
+def to_device_parts(parts: list[list[int]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Several host lists as device tensors, in one copy (`to_device`), each starting 16-byte
+    aligned: Triton builds a kernel for each alignment of its pointers, so a part that
+    started where the lists before it happened to end would build another in a user's step."""
+    unit = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    padding = [-len(part) % unit for part in parts]
+    joined = to_device([x for part, pad in zip(parts, padding) for x in part + [0] * pad], dtype, device)
+    return [view[:len(part)] for part, view in zip(parts, joined.split([len(p) + pad for p, pad in zip(parts, padding)]))]
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64, all query tokens of all requests, flat

@@ -12,7 +12,7 @@ import itertools
 import torch
 
 from tidal.attention import get_backend
-from tidal.batch import ForwardBatch, to_device, with_device_tails
+from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_tails
 from tidal.config import DTYPES, EngineConfig
 from tidal.graphs import CudaGraphs, PiecewiseGraphs
 from tidal.kv_cache import NULL_PAGE
@@ -224,9 +224,8 @@ class ModelRunner:
             counters = [reqs[i].num_output_tokens + commits[i] for i in rows]
             ks = [plan.draft_lens[i] for i in rows] if width > 1 else []
             subset = rows if width > 1 and len(rows) < len(reqs) else []
-            logit_index, counters, ks, subset = to_device(logit_index + counters + ks + subset, torch.int64,
-                                                          self.device).split([len(logit_index), len(counters),
-                                                                              len(ks), len(subset)])
+            logit_index, counters, ks, subset = to_device_parts([logit_index, counters, ks, subset], torch.int64,
+                                                                self.device)
             if rejected is not None:
                 counters = counters - rejected
             last = hidden if every_token else hidden[logit_index]

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from tidal.batch import ForwardBatch, to_device, with_device_tails
+from tidal.batch import ForwardBatch, to_device_parts, with_device_tails
 from tidal.graphs import CudaGraphs
 from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, processed_probs, sample_from_probs
 from tidal.step import Ahead, Drafts, StepPlan
@@ -163,8 +163,8 @@ class ChainDrafter(ABC):
         # move and store through page-table rows left from other steps.
         limits = [self.next_position(r, k, n) for r, k, n in zip(reqs, ks, pending)] if max(ks) > 1 else []
         padded = limits + [0] * (len(self.limits) - len(limits)) if limits else []
-        counters, rows_t, limits_t = to_device([r.num_output_tokens + n for r, n in zip(reqs, pending)] + rows + padded,
-                                               torch.int64, device).split([len(reqs), len(rows), len(padded)])
+        counters, rows_t, limits_t = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)], rows,
+                                                      padded], torch.int64, device)
         rejected = None
         if ahead and ahead.rejected is not None:
             rejected = ahead.rejected if len(rows) == len(plan.requests) else ahead.rejected[rows_t]
