@@ -31,7 +31,8 @@ def to_device_parts(parts: list[list[int]], dtype: torch.dtype, device: torch.de
     unit = max(1, 16 // torch.empty((), dtype=dtype).element_size())
     padding = [-len(part) % unit for part in parts]
     joined = to_device([x for part, pad in zip(parts, padding) for x in part + [0] * pad], dtype, device)
-    return [view[:len(part)] for part, view in zip(parts, joined.split([len(p) + pad for p, pad in zip(parts, padding)]))]
+    views = joined.split([len(part) + pad for part, pad in zip(parts, padding)])
+    return [view[:len(part)] for part, view in zip(parts, views)]
 
 
 @dataclass

@@ -535,8 +535,7 @@ def accept_matching(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.
     return tokens, accept
 
 
-# The page table's width and the batch's size change from step to step: not specialised on.
-@triton.jit(do_not_specialize=["table_stride"])
+@triton.jit(do_not_specialize=["table_stride"])  # the page table's width changes from step to step
 def _move_back_kernel(rejected_ptr, query_start_ptr, seq_lens_ptr, pos_ptr, slot_ptr, table_ptr, table_stride,
                       PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -566,7 +565,7 @@ def move_back(rejected: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: t
 _BATCH_BLOCK = 16  # tokens (move_back) or rows (advance) a program handles at a time
 
 
-@triton.jit(do_not_specialize=["table_stride", "B"])
+@triton.jit(do_not_specialize=["table_stride", "B"])  # as does the batch's size
 def _advance_kernel(limits_ptr, seq_lens_ptr, pos_ptr, slot_ptr, table_ptr, table_stride, B,
                     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
