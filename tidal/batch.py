@@ -28,7 +28,7 @@ def to_device_parts(parts: list[list[int]], dtype: torch.dtype, device: torch.de
     """Several host lists as device tensors, in one copy (`to_device`), each starting 16-byte
     aligned: Triton builds a kernel for each alignment of its pointers, so a part that
     started where the lists before it happened to end would build another in a user's step."""
-    unit = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    unit = max(1, 16 // dtype.itemsize)
     padding = [-len(part) % unit for part in parts]
     joined = to_device([x for part, pad in zip(parts, padding) for x in part + [0] * pad], dtype, device)
     views = joined.split([len(part) + pad for part, pad in zip(parts, padding)])

@@ -17,14 +17,14 @@ class CompileWatch:
     (an engine built later in the same process builds its own kernels first)."""
 
     def __init__(self):
-        self.installed = self.armed = False
+        self.installed = self.is_serving = False
         self.count = 0
         self._started: dict[str, float] = {}
 
     def start_up(self) -> None:
         """Stop counting; hook Triton's compile entry and exit the first time (its public
         `knobs.runtime` hooks, where this Triton has them). Any hook already there still runs."""
-        self.armed = False
+        self.is_serving = False
         if self.installed:
             return
         try:
@@ -41,14 +41,14 @@ class CompileWatch:
 
         def finished(**kwargs):
             began = self._started.pop(str(kwargs["key"]), None)
-            if self.armed and began is not None:
+            if self.is_serving and began is not None:
                 self._record(kwargs["repr"], time.perf_counter() - began)
             return after(**kwargs) if after else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished
 
     def serving(self) -> None:
-        self.armed = True
+        self.is_serving = True
 
     def _record(self, kernel: str, seconds: float) -> None:
         self.count += 1

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from tidal.batch import ForwardBatch
+from tidal.compiles import watch as compile_watch
 from tidal.kv_cache import NULL_PAGE
 from tidal.layers.rotary import RotaryEmbedding
 
@@ -363,15 +364,16 @@ class TritonAttention:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
-        self._build_every_variant(q, kv_cache)
+        if not compile_watch.is_serving:  # (while serving, a forward does only its own work)
+            self._build_every_variant(q, kv_cache)
         return paged_attention(q, kv_cache, batch, scale, out=out)
 
     def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        """At the first forward of a geometry (heads, head size, dtype, page size) that is not
-        being captured in a CUDA graph (the engine's start-up), attend one token over the
-        null page with every configuration `choose_config` can pick: each is then built
-        before any user's step needs it. Which tile a step takes depends on its query lengths
-        and batch, so a variant first met while serving would be built inside that step."""
+        """At start-up, at the first forward of a geometry (heads, head size, dtype, page
+        size) that is not being captured in a CUDA graph, attend one token over the null page
+        with every configuration `choose_config` can pick: each is then built before any
+        user's step needs it. Which tile a step takes depends on its query lengths and batch,
+        so a variant first met while serving would be built inside that step."""
         geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype)
         if not q.is_cuda or geometry in self.built or torch.cuda.is_current_stream_capturing():
             return
