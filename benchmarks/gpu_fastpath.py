@@ -278,7 +278,8 @@ def phase_timing(engine):
     graph_sets = [engine.core.runner.graphs]
     if engine.core.proposer is not None:
         targets.append(("propose", engine.core.proposer, "propose"))
-        graph_sets += [engine.core.proposer.catch_up_graphs, *engine.core.proposer.draft_graphs[:1]]  # [0] loads them all
+        proposer = engine.core.proposer  # each set's [0] loads them all
+        graph_sets += [*proposer.catch_up_graphs.values(), *(c[0] for c in proposer.draft_graphs.values() if c)]
     return timing(*targets, *(("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None))
 
 

@@ -11,8 +11,9 @@ waiting for the tokens, committing), and on CUDA the device's span from the step
 kernel to its last and the idle gap before it (events recorded at the edges of `_launch`;
 the stream runs steps in launch order). Also counted: catch-ups that ran eagerly because no
 captured graph fits them, and the rows `_absorb` fed. Decode-only steps at full batch are
-the ones compared. Also per kind of launch (prompt chunks in it or not, its longest K, and
-`sync` where no step was in flight to hide its host work): the host's time in the steps that
+the ones compared. Also per kind of launch (prompt chunks in it or not, its longest K, `absorb` where the
+drafter absorbed a row's missed tokens first, and `sync` where no step was in flight to
+hide its host work): the host's time in the steps that
 launched it, its device span and gap. Prints both tables; writes $OUT/step_phases.json (and
 goodput's decision log, $OUT/decisions_WORKLOAD.jsonl).
 """
@@ -90,11 +91,12 @@ class Trace:
 
         def traced_launch(plan, after=None):
             start = self._event()
-            t = time.perf_counter()
+            t, absorbed = time.perf_counter(), self.counts["absorbed_rows"]
             step = launch(plan, after)
             self.current["launch"] += time.perf_counter() - t
             if step is not None:
-                shape = {**self._shape(plan), "behind": after is not None}
+                shape = {**self._shape(plan), "behind": after is not None,
+                         "absorbs": self.counts["absorbed_rows"] > absorbed}
                 self.launches.append((shape, start, self._event()))
                 self.launched = self.launched or shape  # the step's host time goes to its first launch
             return step
@@ -106,17 +108,18 @@ class Trace:
             absorb = proposer._absorb
 
             def traced_absorb(reqs, starts, ends):
-                tail = core.config.speculative_config.num_speculative_tokens + 2
+                tail = proposer.feed_width(core.config.speculative_config.num_speculative_tokens)
                 self.counts["absorbed_rows"] += sum(e - s > tail for s, e in zip(starts, ends))
                 return self.timed("absorb", absorb)(reqs, starts, ends)
             self.patch(proposer, "_absorb", traced_absorb)
             run = proposer._run
 
-            def traced_run(graphs, feeds, starts, pages, state, input_ids=None, rejected=None):
+            def traced_run(feeds, starts, pages, state, input_ids, rejected, sampled):
                 self.counts["catch_ups"] += 1
+                graphs = proposer.catch_up_graphs.get(sampled)
                 if graphs is None or not graphs.fits(len(feeds), max(len(f) for f in feeds)):
                     self.counts["eager_catch_ups"] += 1
-                return run(graphs, feeds, starts, pages, state, input_ids, rejected)
+                return run(feeds, starts, pages, state, input_ids, rejected, sampled)
             self.patch(proposer, "_run", traced_run)
         result = PendingStep.result
 
@@ -165,9 +168,12 @@ class Trace:
 
 
 def step_kind(shape: dict) -> str:
-    """A launch's kind for the per-kind table: prompt chunks in it or not, its longest K, and
-    `sync` where it was launched with no step in flight (the device waited for the host)."""
-    return f"{'decode' if shape['decode_only'] else 'prompt'} K={shape['max_k']}{'' if shape['behind'] else ' sync'}"
+    """A launch's kind for the per-kind table: prompt chunks in it or not, its longest K,
+    `absorb` where the drafter first absorbed what a row missed (`ChainDrafter._absorb`: a
+    prompt, a K = 0 spell), and `sync` where it was launched with no step in flight (the
+    device waited for the host)."""
+    return (f"{'decode' if shape['decode_only'] else 'prompt'} K={shape['max_k']}"
+            f"{' absorb' if shape.get('absorbs') else ''}{'' if shape['behind'] else ' sync'}")
 
 
 def summarize(trace: Trace, batch: int) -> dict:

@@ -157,7 +157,7 @@ def test_row_keys_are_the_samplers(unit):
     counters = torch.tensor([0, 5, 2**33 + 1, 17, 999])
     want = sampler.hash_uniform if unit else sampler._row_keys
     for stream in (sampler.STREAM_SAMPLE, sampler.STREAM_ACCEPT, 7):
-        key = sampler._stream_key(stream)
+        key = sampler.stream_key(stream)
         assert torch.equal(fused.row_keys(seeds, counters, key, unit), want(seeds, counters, stream))
         grid = counters.unsqueeze(1) + torch.arange(4)
         got = fused.row_keys(seeds.unsqueeze(1), grid, key, unit)

@@ -66,7 +66,8 @@ def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog)
     watch.start_up()
 
     def build(key):
-        info = dict(key=key, repr=f"_kernel[{key}]", fn=None, compile={}, is_manual_warmup=False,
+        info = dict(key=key, repr="_kernel[num_warps=4](x_ptr: *fp32)", fn=None, is_manual_warmup=False,
+                    compile={"signature": {"x_ptr": "*fp32", "n": key}, "configs": [{(0,): [["tt.divisibility", 16]]}]},
                     already_compiled=False)
         knobs.runtime.jit_cache_hook(**info)
         knobs.runtime.jit_post_compile_hook(**info)
@@ -76,7 +77,8 @@ def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog)
     watch.serving()
     with caplog.at_level(logging.WARNING, logger="tidal.compiles"):
         build("mid-serving")
-    assert watch.count == 1 and "_kernel[mid-serving]" in caplog.text and "while serving" in caplog.text
+    assert watch.count == 1 and "while serving" in caplog.text
+    assert "_kernel {'x_ptr': '*fp32', 'n': 'mid-serving'} [{(0,): [['tt.divisibility', 16]]}]" in caplog.text
     assert seen == ["at start-up", "mid-serving"]
     watch.start_up()  # another engine's start-up in the same process
     build("its start-up")

@@ -206,7 +206,7 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
 
     seen = {"verify": [], "draft": [], "true": []}
     proposer = llm.engine.core.proposer
-    propose, sample_draft, commit = proposer.propose, proposer._sample, llm.engine.core.scheduler.commit
+    propose, pick, commit = proposer.propose, proposer._pick, llm.engine.core.scheduler.commit
 
     def verify(logits, tokens, ks, st, counters):
         seen["verify"].append(counters.tolist())
@@ -216,17 +216,18 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
         seen["first draft"] = True
         return propose(plan, rows, ahead)
 
-    def drafting_sample(logits, st, counters):
+    def drafting_pick(logits, j, sampled):
         if seen.pop("first draft", False):
-            seen["draft"].append(counters.tolist())
-        return sample_draft(logits, st, counters)
+            assert j == 0 and sampled
+            seen["draft"].append(proposer.counters[:len(logits)].tolist())
+        return pick(logits, j, sampled)
 
     def committing(plan, result, in_flight=None):
         seen["true"].append((plan.draft_lens[:], [r.num_output_tokens for r in plan.requests]))
         return commit(plan, result, in_flight)
 
     monkeypatch.setattr(tidal.runner, "verify", verify)
-    monkeypatch.setattr(proposer, "_sample", drafting_sample)
+    monkeypatch.setattr(proposer, "_pick", drafting_pick)
     monkeypatch.setattr(proposer, "propose", proposing)
     monkeypatch.setattr(llm.engine.core.scheduler, "commit", committing)
     sampled = [SamplingParams(temperature=0.8, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True) for s in range(3)]
@@ -235,6 +236,21 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     assert seen["verify"] == [true for _, true in drafting]
     assert seen["draft"] == [[n for n, k in zip(true, ks) if k] for ks, true in drafting]
     assert any(behind_drafts[-len(seen["true"]):])
+
+
+def test_a_drafter_equal_to_the_target_has_every_sampled_draft_accepted(models):
+    """Sampled drafts are drawn with the noise of the target's own draw at the same output
+    index, so a drafter that is the target agrees with it on every draft, at every draft
+    position, for sampled and greedy rows sharing a step, planned ahead or not."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
+    for async_scheduling in (True, False):
+        llm = LLM(model=models["target"], page_size=4, async_scheduling=async_scheduling,
+                  speculative_config={"method": "draft_model", "model": models["target"],
+                                      "num_speculative_tokens": 3, "policy": "fixed"})
+        run(llm, repetitive_prompts(), params)
+        spec = llm.engine.stats()["spec"]
+        assert spec["num_drafted"] > 0 and spec["num_accepted"] == spec["num_drafted"]
 
 
 def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):

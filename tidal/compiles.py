@@ -42,7 +42,10 @@ class CompileWatch:
         def finished(**kwargs):
             began = self._started.pop(str(kwargs["key"]), None)
             if self.is_serving and began is not None:
-                self._record(kwargs["repr"], time.perf_counter() - began)
+                # The variant: argument types, and what was specialised on (alignments, ones).
+                compiled = kwargs.get("compile") or {}
+                variant = f"{kwargs['repr'].split('[')[0]} {compiled.get('signature')} {compiled.get('configs')}"
+                self._record(variant, time.perf_counter() - began)
             return after(**kwargs) if after else None
 
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = started, finished

@@ -93,6 +93,7 @@ class EngineCore:
         self.in_flight: PendingStep | None = None  # a step queued on the device, not yet committed
         self.planned: StepPlan | None = None       # a drafting step planned ahead, to launch next
         self.last_ready: float | None = None       # when the last step's tokens came back (None: idle since)
+        self.last_step: PendingStep | None = None  # and that step
         self.unobserved: tuple | None = None       # the last step, for the policy to learn from during the next
         self.num_steps = 0
         self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
@@ -171,9 +172,13 @@ class EngineCore:
             self.planned = ahead
         result = step.result()
         now = time.perf_counter()
-        # What the step added to the wall time, host work between steps included (the last
-        # step's tokens came back at last_ready while the engine was busy).
-        self.unobserved = (step.plan, result, now - (self.last_ready or step.started))
+        # What the step added to the time line: on the device from the last step's end, so
+        # that a step launched late (a prompt step's longer host work) pays for it, not the
+        # step it was launched behind; else the wall time since the last step's tokens came
+        # back (or since this one began, after an idle spell).
+        seconds = step.seconds_after(self.last_step) if self.last_ready is not None else None
+        self.unobserved = (step.plan, result, now - (self.last_ready or step.started) if seconds is None else seconds)
+        self.last_step = step
         ended = [req.finished for req in step.plan.requests]  # before this step (their rows are dropped)
         self.scheduler.commit(step.plan, result, self.in_flight.plan if self.in_flight else None)
         self.num_steps += 1

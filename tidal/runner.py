@@ -247,6 +247,9 @@ class ModelRunner:
                 step.logprobs = (wanted, compute_logprobs(logits.view(b * w, v), step.tokens.reshape(-1),
                                                           max(n or 0 for n in wanted)))
             step.copy_to_host(out)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event(enable_timing=True)
+            step.done.record()
         return step
 
 
@@ -263,7 +266,7 @@ class PendingStep:
         self.rejected: torch.Tensor | None = None  # and drafts rejected (1 + K_i - accepted)
         self.logprobs = None        # (logprobs wanted per sampled row, their device tensors)
         self.host: torch.Tensor | None = None
-        self.copied: torch.cuda.Event | None = None
+        self.done: torch.cuda.Event | None = None  # recorded after the step's last work on the device
         self.started = 0.0          # when the engine began it (proposing included)
 
     def copy_to_host(self, out: torch.Tensor) -> None:
@@ -271,10 +274,17 @@ class PendingStep:
         if out.device.type == "cuda":
             self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self.host.copy_(out, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
         else:
             self.host = out
+
+    def seconds_after(self, before: "PendingStep") -> float | None:
+        """Seconds from the end of `before` on the device to the end of this step: what
+        this step added to the device's time line, a launch that came late included (and
+        not the launch of a step queued behind it, which a host clock would count). None
+        without events (cpu), or before this step's result is in."""
+        if self.done is None or before.done is None or not self.rows:
+            return None
+        return before.done.elapsed_time(self.done) / 1000
 
     def ahead_for(self, reqs: list) -> Ahead:
         """What a step planned for `reqs` while this one is in flight takes from it: rows of
@@ -312,8 +322,8 @@ class PendingStep:
         accept_lens = torch.zeros(b, dtype=torch.int64)
         if not self.rows:
             return StepResult(token_ids, accept_lens)
-        if self.copied is not None:
-            self.copied.synchronize()
+        if self.done is not None:
+            self.done.synchronize()
         if self.width == 1:
             token_ids[self.rows], accept_lens[self.rows] = self.host, 1
         else:

@@ -377,7 +377,9 @@ def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 _ROW_KEYS_BLOCK = 256
 
 
-@triton.jit(do_not_specialize=["s_seed0", "s_seed1", "s_count0", "s_count1", "C", "N"])  # no compiles mid-serving
+# No compiles mid-serving: sizes and strides change from step to step, and a stream's key,
+# a hash, may be a multiple of 16 or not (it is typed by its range: start-up passes each).
+@triton.jit(do_not_specialize=["s_seed0", "s_seed1", "s_count0", "s_count1", "C", "N", "stream_key"])
 def _row_keys_kernel(seeds_ptr, counters_ptr, out_ptr, s_seed0, s_seed1, s_count0, s_count1, C, N, stream_key,
                      UNIT: tl.constexpr, BLOCK: tl.constexpr):
     """`sampler._row_keys` (or, with UNIT, `sampler.hash_uniform`) of element i of a [N / C, C]
@@ -495,7 +497,8 @@ def top_p_threshold(scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tens
     return out
 
 
-@triton.jit(do_not_specialize=["sb0", "sd0", "su0", "su1", "K", "W"])  # they change with the width
+# Strides change with the width, and a [B, 1] tensor's last stride is whatever its source's was.
+@triton.jit(do_not_specialize=["sb0", "sb1", "sd0", "sd1", "su0", "su1", "K", "W"])
 def _accept_matching_kernel(best_ptr, drafts_ptr, lens_ptr, u_ptr, tokens_ptr, accept_ptr, sb0, sb1, sd0, sd1, su0,
                           su1, K, W, SIMULATE: tl.constexpr, BLOCK: tl.constexpr):
     """Row program: the accepted prefix of the drafts (each equal to the target's token
@@ -607,8 +610,11 @@ def build_sampling_variants(vocab_size: int, max_width: int, device: torch.devic
     for n in (1, _BEST_PROGRAMS):
         race_sample(zeros(n, vocab_size), zeros(n, dtype=torch.int64))
     top_p_threshold(zeros(1, vocab_size), zeros(1), zeros(1) + 0.5)
-    for unit in (False, True):
-        row_keys(zeros(1, dtype=torch.int64), zeros(1, dtype=torch.int64), 0, unit)
+    from tidal.layers.sampler import STREAM_ACCEPT, STREAM_SAMPLE, stream_key
+
+    for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
+        for unit in (False, True):
+            row_keys(zeros(1, dtype=torch.int64), zeros(1, dtype=torch.int64), stream_key(stream), unit)
     if max_width > 1:
         best, drafts = zeros(1, max_width, dtype=torch.int64), zeros(1, max_width - 1, dtype=torch.int64)
         for u in (None, zeros(1, max_width - 1)):  # (simulated acceptance, for benchmarks)

@@ -41,7 +41,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _stream_key(stream: int) -> int:
+def stream_key(stream: int) -> int:
+    """A stream's part of every key drawn in it."""
     return _mix32((stream & _MASK32) ^ 0x9E3779B9)
 
 
@@ -50,8 +51,8 @@ def _row_keys(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch
     if seeds.is_cuda:
         from tidal.layers import fused
 
-        return fused.row_keys(seeds, counters, _stream_key(stream), unit=False)
-    h = _mix32((seeds & _MASK32) ^ _stream_key(stream))
+        return fused.row_keys(seeds, counters, stream_key(stream), unit=False)
+    h = _mix32((seeds & _MASK32) ^ stream_key(stream))
     h = _mix32(h ^ ((seeds >> 32) & _MASK32))
     return _mix32(h ^ (counters & _MASK32))
 
@@ -67,7 +68,7 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> to
     if seeds.is_cuda:
         from tidal.layers import fused
 
-        return fused.row_keys(seeds, counters, _stream_key(stream), unit=True)
+        return fused.row_keys(seeds, counters, stream_key(stream), unit=True)
     return _to_unit(_row_keys(seeds, counters, stream))
 
 

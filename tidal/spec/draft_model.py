@@ -36,6 +36,10 @@ class DraftModelProposer(ChainDrafter):
     def catch_up(self, reqs, starts, ends):
         return [r.token_ids[s:e] + [0] * max(e - r.num_tokens, 0) for r, s, e in zip(reqs, starts, ends)], None
 
+    def feed_width(self, k):
+        # The token a verification in flight feeds first and the K + 1 it commits.
+        return k + 2
+
     def catch_up_end(self, req, pending):
         return req.num_tokens + pending
 

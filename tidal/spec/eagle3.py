@@ -44,6 +44,10 @@ class Eagle3Proposer(ChainDrafter):
         return [r.token_ids[s + 1:e + 1] + [0] * max(e + 1 - r.num_tokens, 0)
                 for r, s, e in zip(reqs, starts, ends)], state
 
+    def feed_width(self, k):
+        # The K + 1 tokens a verification in flight commits (position p takes token p + 1).
+        return k + 1
+
     def catch_up_end(self, req, pending):
         return req.num_tokens + pending - 1
 

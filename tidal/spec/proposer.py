@@ -24,7 +24,7 @@ import torch
 
 from tidal.batch import ForwardBatch, to_device_parts, with_device_tails
 from tidal.graphs import CudaGraphs
-from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, processed_probs, sample_from_probs
+from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, sample_from_probs
 from tidal.step import Ahead, Drafts, StepPlan
 
 
@@ -49,10 +49,10 @@ class Proposer(Protocol):
 class ChainDrafter(ABC):
     """The loop shared by model drafters: one batched extend that catches each request up
     (its last position's logits give draft 1), then one decode per further draft position.
-    Draft tokens stay on the device: the host never waits for the drafter. Greedy drafts
-    chain on the device: each step writes its draft where the next one reads its input
-    (`drafted`), so all the steps after the catch-up replay as one graph; sampled drafts
-    come back to the host's sampling between steps.
+    Draft tokens stay on the device: the host never waits for the drafter. Drafts chain on
+    the device: each step writes its draft where the next one reads its input (`drafted`),
+    so all the steps after the catch-up replay as one graph, greedy or sampled (`_pick`):
+    a drafting step costs the host a few replays whatever its K.
 
     Planned ahead of a step in flight, a row is drafted for as if that step committed all
     its `commits` tokens (`pending` below): the catch-up feeds them from the device, and
@@ -73,15 +73,26 @@ class ChainDrafter(ABC):
         # read and write both in place.
         self.limits = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         self.drafted = torch.zeros(max(k, 1), max_seqs, dtype=torch.int64, device=runner.device)
+        # Per row, what a sampled draft is drawn with (`_pick`): the request's temperature
+        # and seed, and the output index of its draft 1.
+        self.temperature = torch.zeros(max_seqs, dtype=torch.float32, device=runner.device)
+        self.seeds = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+        self.counters = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         self.draft_ids: torch.Tensor | None = None  # target id of each drafter id (None: the same)
-        self.catch_up_graphs: CudaGraphs | None = None
-        self.draft_graphs: list[CudaGraphs] = []  # [s - 1]: graphs of s chained draft steps
+        # By whether any row samples: the catch-up's graphs, and [s - 1] those of s chained draft steps.
+        self.catch_up_graphs: dict[bool, CudaGraphs] = {}
+        self.draft_graphs: dict[bool, list[CudaGraphs]] = {}
 
     @abstractmethod
     def catch_up(self, reqs, starts: list[int], ends: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Tokens to feed at positions starts[i] .. ends[i] - 1 of row i (those past the
         request's known tokens are placeholders for tokens only the device knows yet), and
         the input state."""
+
+    @abstractmethod
+    def feed_width(self, k: int) -> int:
+        """Most tokens a row's catch-up feeds while the row drafts k every step (its
+        graphs' widest; what `_absorb` leaves for the drafting forward)."""
 
     @abstractmethod
     def catch_up_end(self, req, pending: int) -> int:
@@ -107,13 +118,14 @@ class ChainDrafter(ABC):
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Build the drafter's Triton kernels for eager catch-up shapes (and its argmax over a
-        draft vocabulary of its own), then capture its graphs, at start-up."""
+        """Build the drafter's Triton kernels for eager catch-up shapes (greedy and sampled
+        drafts, over a draft vocabulary of its own), then capture its graphs, at start-up."""
         runner = self.runner
         if runner.device.type != "cuda":
             return
         for batch in runner.warmup_batches(runner.config.max_num_batched_tokens):
-            self._catch_up(batch, self.dummy_state(batch.num_tokens, True))
+            for sampled in (False, True):
+                self._catch_up(batch, self.dummy_state(batch.num_tokens, True), sampled)
             self.forward(batch, self.dummy_state(batch.num_tokens, False))
         if self.draft_ids is not None:
             from tidal.layers import fused
@@ -123,16 +135,21 @@ class ChainDrafter(ABC):
         if runner.config.enforce_eager:
             return
         k = runner.config.speculative_config.num_speculative_tokens
-        self.catch_up_graphs = self._graphs(self._catch_up, k + 1, True)
-        self.catch_up_graphs.capture()
-        # Graphs of s chained draft steps, s = 1 .. K - 1: one replay drafts greedily to K;
-        # sampled drafts replay s = 1 once a step. One pool and one set of inputs.
-        self.draft_graphs, pool = [], None
-        for steps in range(k - 1, 0, -1):  # longest first: the others reuse its memory
-            graphs = self._graphs(lambda batch, state, s=steps: self._draft_steps(batch, state, s), 1, False,
-                                  self.draft_graphs[0] if self.draft_graphs else None)
-            pool = graphs.capture(pool)
-            self.draft_graphs.insert(0, graphs)
+        pool = None
+        for sampled in (False, True):  # one pool and one set of inputs for all
+            catch_up = self._graphs(lambda batch, state, sampled=sampled: self._catch_up(batch, state, sampled),
+                                    self.feed_width(k), True, self.catch_up_graphs.get(False))
+            pool = catch_up.capture(pool)
+            self.catch_up_graphs[sampled] = catch_up
+            # Graphs of s chained draft steps, s = 1 .. K - 1: one replay drafts to K.
+            chains: list[CudaGraphs] = []
+            for steps in range(k - 1, 0, -1):  # longest first: the others reuse its memory
+                graphs = self._graphs(lambda batch, state, s=steps, sampled=sampled:
+                                      self._draft_steps(batch, state, s, sampled), 1, False,
+                                      self.draft_graphs[False][0] if sampled else chains[0] if chains else None)
+                pool = graphs.capture(pool)
+                chains.insert(0, graphs)
+            self.draft_graphs[sampled] = chains
 
     def _graphs(self, forward, width: int, catching_up: bool, inputs_of: CudaGraphs | None = None) -> CudaGraphs:
         runner = self.runner
@@ -140,11 +157,30 @@ class ChainDrafter(ABC):
                           runner.device, self.state_width(catching_up), runner.dtype, per_row=True,
                           inputs_of=inputs_of)
 
-    def _catch_up(self, batch: ForwardBatch, state: torch.Tensor | None):
-        """The catch-up forward, writing each row's greedy draft 1 to `drafted`."""
+    def _catch_up(self, batch: ForwardBatch, state: torch.Tensor | None, sampled: bool):
+        """The catch-up forward, writing each row's draft 1 to `drafted`."""
         logits, out = self.forward(batch, state)
-        greedy_tokens(logits, self.draft_ids, out=self.drafted[0, :batch.num_seqs])
+        self._pick(logits, 0, sampled)
         return logits, out
+
+    def _pick(self, logits: torch.Tensor, j: int, sampled: bool) -> None:
+        """Each row's draft j + 1 into drafted[j]: the argmax, or, where `sampled`, for rows
+        of a temperature above 0, a draw at that temperature raced against the noise the
+        target's own draw at that output index uses (`verify`): where the two distributions
+        agree, so do the two tokens. Verification alone applies top-k, top-p and min-p:
+        the draft's distribution only sways how often it is accepted, never what is
+        committed, and one without filters has the same shape at every step (a graph)."""
+        n = logits.shape[0]
+        out = self.drafted[j, :n]
+        if not sampled:
+            greedy_tokens(logits, self.draft_ids, out=out)
+            return
+        temperature = self.temperature[:n]
+        probs = torch.softmax(logits.float() / torch.where(temperature > 0, temperature, 1.0)[:, None], dim=-1)
+        if self.draft_ids is not None:
+            probs = probs.new_zeros(n, self.vocab_size).index_copy_(1, self.draft_ids, probs)
+        drawn = sample_from_probs(probs, self.seeds[:n], self.counters[:n] + j, STREAM_SAMPLE)
+        torch.where(temperature > 0, drawn, greedy_tokens(logits, self.draft_ids), out=out)
 
     @abstractmethod
     def absorbed(self, req, k: int, pending: int) -> int:
@@ -156,20 +192,24 @@ class ChainDrafter(ABC):
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
         pending = [ahead.commits[i] for i in rows] if ahead else [0] * len(rows)
-        device = self.runner.device
+        device, num_rows = self.runner.device, len(reqs)
         st = self.runner.sampling_tensors(reqs)
+        sampled = not st.all_greedy
         # Per row, the position the draft steps stop before (for `_draft_steps`). Every entry
         # of `self.limits` is written: a graph's padding rows must find limit 0, or they would
         # move and store through page-table rows left from other steps.
         limits = [self.next_position(r, k, n) for r, k, n in zip(reqs, ks, pending)] if max(ks) > 1 else []
         padded = limits + [0] * (len(self.limits) - len(limits)) if limits else []
-        counters, rows_t, limits_t = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)], rows,
-                                                      padded], torch.int64, device)
+        counters, rows_t, limits_t = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)]
+                                                      if sampled else [], rows, padded], torch.int64, device)
         rejected = None
         if ahead and ahead.rejected is not None:
-            rejected = ahead.rejected if len(rows) == len(plan.requests) else ahead.rejected[rows_t]
-            counters = counters - rejected
-        pages, num_rows = [r.pages for r in reqs], len(reqs)
+            rejected = ahead.rejected if num_rows == len(plan.requests) else ahead.rejected[rows_t]
+        if sampled:
+            self.temperature[:num_rows].copy_(st.temperature)
+            self.seeds[:num_rows].copy_(st.seeds)
+            self.counters[:num_rows].copy_(counters if rejected is None else counters - rejected)
+        pages = [r.pages for r in reqs]
 
         # A commit still to come may have raised num_absorbed past num_computed, which is
         # where the drafter's trusted KV ends.
@@ -179,31 +219,21 @@ class ChainDrafter(ABC):
         feeds, state = self.catch_up(reqs, starts, ends)
         input_ids = None
         if ahead:
-            source = ahead.tokens if len(rows) == len(plan.requests) else ahead.tokens[rows_t]
+            source = ahead.tokens if num_rows == len(plan.requests) else ahead.tokens[rows_t]
             input_ids = with_device_tails(feeds, pending, source)
-        logits, state = self._run(self.catch_up_graphs, feeds, starts, pages, state, input_ids, rejected)
-        if not st.all_greedy:
-            tokens = torch.zeros(num_rows, max(ks), dtype=torch.int64, device=device)
-            tokens[:, 0] = self._sample(logits, st, counters)
+        state = self._run(feeds, starts, pages, state, input_ids, rejected, sampled)
         if limits:
             self.limits.copy_(limits_t)
             if rejected is not None:
                 self.limits[:num_rows].sub_(rejected)
-            chain = self._draft_chain(reqs, pending, max(limits), pages, state, rejected)
-            if st.all_greedy:
-                chain(max(ks) - 1)
-            else:
-                for j in range(1, max(ks)):
-                    self.drafted[0, :num_rows] = tokens[:, j - 1]
-                    tokens[:, j] = self._sample(chain(1), st, counters + j)
-        if st.all_greedy:
-            tokens = self.drafted[:max(ks), :num_rows].t().contiguous()
+            self._draft(reqs, pending, max(limits), pages, state, rejected, max(ks) - 1, sampled)
+        tokens = self.drafted[:max(ks), :num_rows].t().contiguous()
         for r, k, n in zip(reqs, ks, pending):
             r.num_absorbed = self.absorbed(r, k, n)
         lens = [0] * len(plan.requests)
         for i, k in zip(rows, ks):
             lens[i] = k
-        if len(rows) < len(plan.requests):
+        if num_rows < len(plan.requests):
             tokens = torch.zeros(len(plan.requests), max(ks), dtype=torch.int64, device=device).index_copy_(
                 0, rows_t, tokens)
         return Drafts(tokens, lens)
@@ -213,9 +243,10 @@ class ChainDrafter(ABC):
         most `absorb_tokens` (the step's token budget), so that no forward grows with what the drafter missed
         (a whole prompt, or many K = 0 steps, for hundreds of rows): a row that does not fit
         in one forward's room goes on in the next. Returns where each row's catch-up now
-        starts. What is left is at most `tail` tokens a row, all the drafting forward feeds;
-        the placeholders of a step in flight (at most K + 1 a row) are among them."""
-        tail = self.runner.config.speculative_config.num_speculative_tokens + 2
+        starts. What is left is at most `feed_width(K)` tokens a row, all the drafting
+        forward feeds (a graph's width); the placeholders of a step in flight (at most K + 1
+        a row) are among them."""
+        tail = self.feed_width(self.runner.config.speculative_config.num_speculative_tokens)
         todo = deque((i, s, e - tail) for i, (s, e) in enumerate(zip(starts, ends)) if e - s > tail)
         starts = list(starts)
         while todo:
@@ -236,59 +267,53 @@ class ChainDrafter(ABC):
                 starts[i] = e
         return starts
 
-    def _run(self, graphs, feeds, starts, pages, state, input_ids=None, rejected=None):
-        """One catch-up forward (`_catch_up`), replayed from a graph when one fits.
-        `input_ids` (on the device) replace the fed tokens; `rejected[i]` tokens at the end
-        of row i are not real, so its logits come from before them."""
+    def _run(self, feeds, starts, pages, state, input_ids, rejected, sampled: bool) -> torch.Tensor | None:
+        """One catch-up forward (`_catch_up`), replayed from a graph when one fits; returns
+        its output state. `input_ids` (on the device) replace the fed tokens; `rejected[i]`
+        tokens at the end of row i are not real, so its draft comes from before them."""
         width, n = max(len(f) for f in feeds), len(feeds)
+        graphs = self.catch_up_graphs.get(sampled)
         if graphs is not None and graphs.fits(n, width):
             key = graphs.load(feeds, starts, pages, width, state, input_ids)
             if rejected is not None:
                 graphs.inputs(key).last_index[:n].sub_(rejected.to(torch.int32))
-            return graphs.replay(key, sum(len(f) for f in feeds), n)[0]
+            return graphs.replay(key, sum(len(f) for f in feeds), n)[0][1]
         batch = ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device)
         if input_ids is not None:
             batch.input_ids.copy_(input_ids)
         if rejected is not None:
             batch.last_index.sub_(rejected.to(torch.int32))
-        return self._catch_up(batch, state)
+        return self._catch_up(batch, state, sampled)[1]
 
-    def _draft_chain(self, reqs, pending, max_limit, pages, state, rejected):
-        """The one-token steps after the catch-up, as a function that runs the next `steps`
-        of them (`_draft_steps`) and returns the last one's logits. Their inputs are set
-        once, at each row's last catch-up position; each step then moves every row on by one
-        position (`ForwardBatch.advance`, up to its entry of `self.limits`, the largest being
-        `max_limit`) on the device, inside the graph when one fits: the host only replays.
-        A row past its own K stays put and stores nothing (its drafts there are not used)."""
+    def _draft(self, reqs, pending, max_limit, pages, state, rejected, steps: int, sampled: bool) -> None:
+        """The `steps` one-token steps after the catch-up (`_draft_steps`). Their inputs are
+        set once, at each row's last catch-up position; each step then moves every row on by
+        one position (`ForwardBatch.advance`, up to its entry of `self.limits`, the largest
+        being `max_limit`) on the device, inside the graph when one fits: the host only
+        replays. A row past its own K stays put and stores nothing (its drafts there are not
+        used)."""
         runner, n = self.runner, len(reqs)
         feeds, starts = [[0]] * n, [self.next_position(r, 0, p) for r, p in zip(reqs, pending)]
-        if self.draft_graphs and self.draft_graphs[0].fits(n, 1):
-            key = self.draft_graphs[0].load(feeds, starts, pages, 1, state, rejected=rejected)
-            return lambda steps: self.draft_graphs[steps - 1].replay(key, n, n)[0]
+        chains = self.draft_graphs.get(sampled)
+        if chains and chains[0].fits(n, 1):
+            key = chains[0].load(feeds, starts, pages, 1, state, rejected=rejected)
+            chains[steps - 1].replay(key, n, n)
+            return
         batch = ForwardBatch.build(feeds, starts, pages, runner.page_size, runner.device)
         if rejected is not None:
             batch.move_back(rejected, runner.page_size)
         batch.max_seq_len = max_limit
-        return lambda steps: self._draft_steps(batch, state, steps)
+        self._draft_steps(batch, state, steps, sampled)
 
-    def _draft_steps(self, batch: ForwardBatch, state: torch.Tensor | None, steps: int) -> torch.Tensor:
+    def _draft_steps(self, batch: ForwardBatch, state: torch.Tensor | None, steps: int, sampled: bool):
         """`steps` draft steps. Step j feeds each row's draft j - 1 (`drafted`, read in place),
-        moves the row on by one position, runs the drafter there and writes its greedy draft
-        j; its output state is the next step's input. Returns the last step's logits."""
+        moves the row on by one position, runs the drafter there and writes its draft j
+        (`_pick`); its output state is the next step's input. Returns the last logits."""
         n = batch.num_seqs
         for j in range(1, steps + 1):
             batch.advance(self.limits[:n], self.runner.page_size)
             logits, out = self.forward(replace(batch, input_ids=self.drafted[j - 1, :n]), state)
             if state is not None:
                 state.copy_(out)
-            greedy_tokens(logits, self.draft_ids, out=self.drafted[j, :n])
+            self._pick(logits, j, sampled)
         return logits
-
-    def _sample(self, logits, st, counters) -> torch.Tensor:
-        """Each row's draft at output index `counters`, raced against the noise the target's
-        own draw there uses (`verify`), over the target's vocabulary: where the two
-        distributions agree, so do the two tokens."""
-        q = processed_probs(logits, st)
-        if self.draft_ids is not None:
-            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self.draft_ids, q)
-        return sample_from_probs(q, st.seeds, counters, STREAM_SAMPLE)
