@@ -168,6 +168,22 @@ def test_a_price_too_high_is_explored_and_corrected():
     assert explored > 0 and 0.9 < found < 1.2
 
 
+def test_an_explored_width_is_not_held_in_place_of_the_decision():
+    """Exploring runs a neighbouring width for its price; hysteresis keeps the decision, not
+    that width. Here K = 3 is priced within the hysteresis of K = 4, the decision: held, the
+    explored K = 3 would run until the next exploration. With prices that do not move, the
+    decision after an exploration is the one before it."""
+    model = CostModel.from_function(lambda b, w: 0.010 * (1 + 0.16 * (w - 1)), *grid_axes(256, 4), padded=True,
+                                    correct_online=False)
+    policy, rng = Goodput(model, 4, explore_interval=16), random.Random(0)
+    policy.acceptance = AcceptanceModel(4, initial=0.8)
+    reqs = make_requests(32)
+    history = [step(policy, reqs, [0.8] * 32, rng, limit=4) for _ in range(70)]
+    explored = [i for i, ks in enumerate(history) if ks.note.log["explored"]]
+    assert len(explored) >= 4 and all(max(history[i]) == 3 for i in explored)
+    assert all(max(ks) == 4 for i, ks in enumerate(history) if i not in explored)
+
+
 def flip_rate(hysteresis, steps=200):
     """How often K changes from one step to the next (exploration's deliberate changes aside)."""
     policy, rng = Goodput(roofline(64), K, hysteresis=hysteresis, explore_interval=0), random.Random(1)

@@ -180,7 +180,8 @@ class Goodput:
     at, and a price too high is never seen to be. So every `explore_interval` decisions,
     while every request drafts and no prompt waits, a uniform K one below or one above the
     choice's longest (in turn) runs instead, if it is priced within `explore_margin` of it:
-    the widths beside the choice are where a stale price would change it. At 70
+    the widths beside the choice are where a stale price would change it. It runs for one
+    step; hysteresis then compares against the decision, not the width explored. At 70
     clients and a = 0.6, goodput ran K = 2 at its true price while K = 1's steps, which it
     must have priced at 8.8 ms or more, took 7.8 and made 8% more tokens a second (runs 50
     and 52, both passes). Exploring, it runs K = 1 for most rows there (runs 58-60).
@@ -244,6 +245,7 @@ class Goodput:
         gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
 
         ks, rate, plain_rate, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, False, False
+        decided = ks
         plain_step = float(self.cost.step_time(b, 0, 0, 0, context))  # the decodes' plain step
         if cap > 0 and limit.max() > 0:
             steps_left = np.clip(left / (1 + gain.sum(axis=1)), 1, self.horizon if demand < room else 1)
@@ -291,6 +293,7 @@ class Goodput:
                 if held_score + self.hysteresis * best * alone >= scores[j] and \
                         (not previous.any() or held_score > scores[0]):
                     ks, rate, held = previous, tokens / alone, True
+            decided = ks
             if (self.explore_interval and self.num_decisions % self.explore_interval == 0 and not demand
                     and ks.any() and np.array_equal(ks > 0, limit > 0)):
                 # The uniform candidates come last, K = 1 .. width; the neighbours of the
@@ -302,7 +305,9 @@ class Goodput:
                     if 1 <= w <= width and rates[j] >= (1 - self.explore_margin) * rate:
                         ks, rate, held, explored = ks_of(j), float(rates[j]), False, True
                         break
-        self.previous = dict(zip(requests, ks.tolist()))
+        # What hysteresis holds on to is the decision, not a width run for its price: an
+        # explored width stays only if its price, once seen, makes it the decision.
+        self.previous = dict(zip(requests, decided.tolist()))
 
         def worth(ks):
             """For each row of ks (K per request): seconds of the step, catch-up in full and
