@@ -281,7 +281,7 @@ class PendingStep:
         """Seconds from the end of `before` on the device to the end of this step: what
         this step added to the device's time line, a launch that came late included (and
         not the launch of a step queued behind it, which a host clock would count). None
-        without events (cpu), or before this step's result is in."""
+        without events (cpu), or for a step with no sampling row, whose end is not waited for."""
         if self.done is None or before.done is None or not self.rows:
             return None
         return before.done.elapsed_time(self.done) / 1000
