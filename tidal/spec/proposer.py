@@ -135,19 +135,21 @@ class ChainDrafter(ABC):
         if runner.config.enforce_eager:
             return
         k = runner.config.speculative_config.num_speculative_tokens
-        pool = None
-        for sampled in (False, True):  # one pool and one set of inputs for all
+        # One memory pool for all; one set of inputs for the catch-ups, one for the chains.
+        pool = catch_up_inputs = chain_inputs = None
+        for sampled in (False, True):
             catch_up = self._graphs(lambda batch, state, sampled=sampled: self._catch_up(batch, state, sampled),
-                                    self.feed_width(k), True, self.catch_up_graphs.get(False))
+                                    self.feed_width(k), True, catch_up_inputs)
             pool = catch_up.capture(pool)
             self.catch_up_graphs[sampled] = catch_up
+            catch_up_inputs = catch_up_inputs or catch_up
             # Graphs of s chained draft steps, s = 1 .. K - 1: one replay drafts to K.
             chains: list[CudaGraphs] = []
             for steps in range(k - 1, 0, -1):  # longest first: the others reuse its memory
                 graphs = self._graphs(lambda batch, state, s=steps, sampled=sampled:
-                                      self._draft_steps(batch, state, s, sampled), 1, False,
-                                      self.draft_graphs[False][0] if sampled else chains[0] if chains else None)
+                                      self._draft_steps(batch, state, s, sampled), 1, False, chain_inputs)
                 pool = graphs.capture(pool)
+                chain_inputs = chain_inputs or graphs
                 chains.insert(0, graphs)
             self.draft_graphs[sampled] = chains
 
