@@ -405,6 +405,26 @@ def test_cost_model_learns_the_price_of_catching_up():
     assert float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(drafting)
 
 
+def test_a_catch_up_timed_apart_teaches_both_prices():
+    """A probe resumes drafting for requests that missed many tokens, so a step at a width
+    the policy does not run carries a catch-up. Timed apart, such steps correct the width's
+    stale price as well as the catch-up's; untimed, only the catch-up's, and the width keeps
+    its price for good."""
+    def stale(b, w):
+        return true_cost(b, w) * (1.5 if w == 2 else 1.0)  # width 2 profiled 50% dear
+    seconds = true_cost(16, 2) + 0.005  # width 2 at its true price; catching up 10,000 tokens in 5 ms
+    for timed in (True, False):
+        model = CostModel.from_function(stale, *grid_axes(16, 4), catch_up_fixed=0.003, catch_up_token=1e-6)
+        for _ in range(40):
+            model.observe(16, 16, 1, 16, 0, seconds, catch_up=10_000, catch_up_seconds=0.005 if timed else None)
+        width_2 = float(model.step_time(16, 16, 1, 16, 0))
+        if timed:
+            assert width_2 == pytest.approx(true_cost(16, 2), rel=0.05)
+            assert float(model.catch_up_time(10_000)) == pytest.approx(0.005, rel=0.05)
+        else:
+            assert width_2 == pytest.approx(stale(16, 2))
+
+
 def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
     """A step whose drafter catches up over 10,000 tokens, or that carries a prompt chunk,
     is priced as such: neither raises the price of a plain decode step."""
@@ -568,7 +588,21 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     assert policy["step_time"]["num_observed"] > 0 and policy["step_time"]["observed_s"] > 0
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == policy["num_decisions"]
-    assert {"batch", "k", "predicted_s", "observed_s", "accepted", "catch_up"} <= set(lines[-1])
+    assert {"batch", "k", "predicted_s", "observed_s", "accepted", "catch_up", "catch_up_s"} <= set(lines[-1])
+
+
+def test_a_drafters_catch_up_is_timed_apart(models, plain, tmp_path):
+    """The step after a prompt's, where the drafter first absorbs the prompt, reports that
+    catch-up's own time, for the cost model to price it apart from the step's width."""
+    log = tmp_path / "decisions.jsonl"
+    llm = LLM(model=models["target"], page_size=4, max_num_seqs=4,
+              speculative_config=spec(models, "draft_model", policy="fixed", decision_log=str(log)))
+    got, _ = generate(llm, PROMPTS, GREEDY)
+    assert got == plain
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    first = next(line for line in lines if any(line["drafted"]))  # every prompt is longer than K + 2 but one
+    assert 0 < first["catch_up_s"] < first["observed_s"]
+    assert all(line["catch_up_s"] is None for line in lines[-3:])  # caught up since: nothing left to absorb
 
 
 def test_a_prompt_in_flight_is_not_demand_for_the_step_after_it(models):

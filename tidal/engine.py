@@ -177,7 +177,8 @@ class EngineCore:
         # step it was launched behind; else the wall time since the last step's tokens came
         # back (or since this one began, after an idle spell).
         seconds = step.seconds_after(self.last_step) if self.last_ready is not None else None
-        self.unobserved = (step.plan, result, now - (self.last_ready or step.started) if seconds is None else seconds)
+        self.unobserved = (step.plan, result, now - (self.last_ready or step.started) if seconds is None else seconds,
+                           step.catch_up and step.catch_up.seconds)
         self.last_step = step
         ended = [req.finished for req in step.plan.requests]  # before this step (their rows are dropped)
         self.scheduler.commit(step.plan, result, self.in_flight.plan if self.in_flight else None)
@@ -218,6 +219,7 @@ class EngineCore:
             plan.draft_lens = drafts.lens
         step = self.runner.launch(plan, drafts, ahead)
         step.started = started
+        step.catch_up = drafts and drafts.catch_up
         return step
 
     def _output(self, req: Request) -> EngineOutput:

@@ -20,7 +20,7 @@ from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
 from tidal.spec.verify import verify
-from tidal.step import Ahead, Drafts, StepPlan, StepResult
+from tidal.step import Ahead, Drafts, Span, StepPlan, StepResult
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -268,6 +268,7 @@ class PendingStep:
         self.host: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None  # recorded after the step's last work on the device
         self.started = 0.0          # when the engine began it (proposing included)
+        self.catch_up: Span | None = None  # its drafter's catch-up, where there was one (`Drafts.catch_up`)
 
     def copy_to_host(self, out: torch.Tensor) -> None:
         """The step's one device-to-host copy: tokens (and, when verifying, accepted lengths)."""

@@ -8,6 +8,7 @@ plan's `draft_lens`, and the drafts themselves reach the runner as `Drafts`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,31 @@ class Drafts:
 
     tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
     lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
+    catch_up: "Span | None" = None  # the drafter absorbing what it missed, where it had to
+
+
+class Span:
+    """The time of the work queued on `device` from its making to `stop()`: between two CUDA
+    events, or by the wall clock on a CPU, whose work runs as it is queued. It lets a step's
+    parts be priced apart (a drafter's catch-up from the rest of its step). Read `seconds`
+    once the work is done."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        self.begun, self.wall = time.perf_counter(), 0.0
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+
+    def stop(self) -> "Span":
+        if self.events is not None:
+            self.events[1].record()
+        self.wall = time.perf_counter() - self.begun
+        return self
+
+    @property
+    def seconds(self) -> float:
+        return self.events[0].elapsed_time(self.events[1]) / 1000 if self.events is not None else self.wall
 
 
 @dataclass

@@ -28,9 +28,11 @@ class SpecPolicy(Protocol):
     def choose(self, requests: list[Request], limits: list[int], num_waiting: int) -> Choice:
         ...
 
-    def observe(self, plan: StepPlan, result: StepResult, step_time: float) -> None:
-        """What the step cost (seconds of wall time it added, host work included) and what
-        it accepted."""
+    def observe(self, plan: StepPlan, result: StepResult, step_time: float,
+                catch_up_time: float | None = None) -> None:
+        """What the step cost (seconds it added to the time line, host work included), the
+        part of it its drafter spent catching up (None where it did not, or was not timed
+        apart), and what it accepted."""
         ...
 
     def stats(self) -> dict:
@@ -48,12 +50,13 @@ class Choice(list):
         self.note = note
 
 
-def step_line(plan: StepPlan, result: StepResult, step_time: float) -> dict:
+def step_line(plan: StepPlan, result: StepResult, step_time: float, catch_up_time: float | None) -> dict:
     """What every policy's log line says of a step: its rows, the tokens it fed (more than
-    its rows where prompt chunks share it), its seconds, and what each row drafted and
-    had accepted."""
+    its rows where prompt chunks share it), its seconds (and its drafter's catch-up's), and
+    what each row drafted and had accepted."""
     return {"rows": len(plan.requests), "new_tokens": sum(plan.num_new_tokens), "observed_s": step_time,
-            "drafted": list(plan.draft_lens), "accepted": [n - 1 for n in result.accept_lens.tolist()]}
+            "catch_up_s": catch_up_time, "drafted": list(plan.draft_lens),
+            "accepted": [n - 1 for n in result.accept_lens.tolist()]}
 
 
 class NoFeedback:
@@ -63,11 +66,11 @@ class NoFeedback:
     log = None
     num_logged = 0
 
-    def observe(self, plan, result, step_time):
+    def observe(self, plan, result, step_time, catch_up_time=None):
         if self.log:
             self.num_logged += 1
             self.log.write(json.dumps({"policy": self.label, "step": self.num_logged,
-                                       **step_line(plan, result, step_time)}) + "\n")
+                                       **step_line(plan, result, step_time, catch_up_time)}) + "\n")
 
     @property
     def label(self) -> str:
@@ -244,7 +247,7 @@ class Goodput:
         gain = np.cumprod(self.acceptance.estimates(rows)[:, :limit.max()], axis=1)
         gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
 
-        ks, rate, plain_rate, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, False, False
+        ks, rate, plain_rate, drafting_rate, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, 0.0, False, False
         decided = ks
         plain_step = float(self.cost.step_time(b, 0, 0, 0, context))  # the decodes' plain step
         if cap > 0 and limit.max() > 0:
@@ -273,6 +276,7 @@ class Goodput:
             rates = tokens / alone
             best = float(rates.max())  # tokens per second of the best step without prefill
             plain_rate = float(rates[0])  # K = 0 for everyone
+            drafting_rate = float(rates[1:].max(initial=0.0))  # the best that drafts (the log's, to explain a K = 0)
 
             def score(tokens, shape, alone):
                 """Tokens beyond what the best rate would buy in the candidate's seconds with the
@@ -328,7 +332,7 @@ class Goodput:
         self.num_probes += len(probes)
         log = {"step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
                "held": held, "explored": explored, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate,
-               "catch_up": catch_up}
+               "drafting_tokens_per_s": drafting_rate, "catch_up": catch_up}
         if not ks.any() and not demand:
             self.plain = (list(requests), list(limits), self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
@@ -408,7 +412,7 @@ class Goodput:
 
     # -- learning --------------------------------------------------------------------------
 
-    def observe(self, plan, result, step_time):
+    def observe(self, plan, result, step_time, catch_up_time=None):
         decision = plan.choice
         reqs = plan.requests
         decoding = [i for i, r in enumerate(reqs) if decision is not None and r in decision.requested]
@@ -426,11 +430,11 @@ class Goodput:
         prefill = sum(plan.num_new_tokens) - len(decoding)
         context = sum(reqs[i].num_computed + 1 for i in decoding)
         predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
-                                      step_time, prefill, decision.catch_up)
+                                      step_time, prefill, decision.catch_up, catch_up_time)
         self.predicted, self.observed = predicted, step_time
         if self.log:
             decision.log.update(policy=self.name, prefill=prefill, predicted_s=predicted,
-                                **step_line(plan, result, step_time))
+                                **step_line(plan, result, step_time, catch_up_time))
             self.log.write(json.dumps(decision.log) + "\n")
 
     def stats(self) -> dict:

@@ -25,7 +25,7 @@ import torch
 from tidal.batch import ForwardBatch, to_device_parts, with_device_tails
 from tidal.graphs import CudaGraphs
 from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, sample_from_probs
-from tidal.step import Ahead, Drafts, StepPlan
+from tidal.step import Ahead, Drafts, Span, StepPlan
 
 
 class Proposer(Protocol):
@@ -217,7 +217,7 @@ class ChainDrafter(ABC):
         # where the drafter's trusted KV ends.
         starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
         ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
-        starts = self._absorb(reqs, starts, ends)
+        starts, absorbing = self._absorb(reqs, starts, ends)
         feeds, state = self.catch_up(reqs, starts, ends)
         input_ids = None
         if ahead:
@@ -238,19 +238,21 @@ class ChainDrafter(ABC):
         if num_rows < len(plan.requests):
             tokens = torch.zeros(len(plan.requests), max(ks), dtype=torch.int64, device=device).index_copy_(
                 0, rows_t, tokens)
-        return Drafts(tokens, lens)
+        return Drafts(tokens, lens, absorbing)
 
-    def _absorb(self, reqs, starts: list[int], ends: list[int]) -> list[int]:
+    def _absorb(self, reqs, starts: list[int], ends: list[int]) -> tuple[list[int], Span | None]:
         """Absorb all but the last `tail` positions of every row's catch-up in forwards of at
         most `absorb_tokens` (the step's token budget), so that no forward grows with what the drafter missed
         (a whole prompt, or many K = 0 steps, for hundreds of rows): a row that does not fit
         in one forward's room goes on in the next. Returns where each row's catch-up now
-        starts. What is left is at most `feed_width(K)` tokens a row, all the drafting
-        forward feeds (a graph's width); the placeholders of a step in flight (at most K + 1
-        a row) are among them."""
+        starts, and the span of these forwards (None without any). What is left is at most
+        `feed_width(K)` tokens a row, all the drafting forward feeds (a graph's width); the
+        placeholders of a step in flight (at most K + 1 a row) are among them."""
         tail = self.feed_width(self.runner.config.speculative_config.num_speculative_tokens)
         todo = deque((i, s, e - tail) for i, (s, e) in enumerate(zip(starts, ends)) if e - s > tail)
-        starts = list(starts)
+        if not todo:
+            return starts, None
+        starts, span = list(starts), Span(self.runner.device)
         while todo:
             rows, room = [], self.absorb_tokens
             while todo and room:
@@ -267,7 +269,7 @@ class ChainDrafter(ABC):
                                             self.runner.page_size, self.runner.device), state)
             for i, _, e in rows:
                 starts[i] = e
-        return starts
+        return starts, span.stop()
 
     def _run(self, feeds, starts, pages, state, input_ids, rejected, sampled: bool) -> torch.Tensor | None:
         """One catch-up forward (`_catch_up`), replayed from a graph when one fits; returns
