@@ -5,7 +5,8 @@
 
 Each of c clients sends its next request as soon as the last one ends. A step's seconds
 come from a cost function that stands in for the device (`h200_8b`: a Llama-3.1-8B with an
-EAGLE-3 head on one H200, fitted by eye to run82's decision log), and drafts are accepted
+EAGLE-3 head on one H200, fitted by eye to the decision logs of runs 82, 95 and 96), and
+drafts are accepted
 as `SimulatedAcceptance` says (per position, per request). The policy is the engine's own
 (`tidal.spec.policy`), fed plans and results as the scheduler feeds it; its profile is the
 cost function's decode steps, and its online corrections learn the rest. So a figure says
@@ -36,15 +37,28 @@ from tidal.spec.policy import Fixed, Goodput, Off
 from tidal.step import StepPlan, StepResult
 
 
-def h200_8b(b, drafts, max_draft, prompt_tokens=0):
+CATCH_UP_MS = (0.3, 0.001)  # a catch-up pass, and each token it absorbs (run96's spans)
+
+
+def h200_8b(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0):
     """Milliseconds of one step: the target's forward (a fixed cost, a share per row and per
-    draft verified, and at least 0.027 ms a token in all: compute-bound), the drafter's K
-    passes before it (each a little dearer with more rows), and 4 ms more for a step with
-    prompt tokens (run82: 256 prompt tokens beside 31 decodes made a step of 11.8 ms, 512
-    beside 30 one of 19.5)."""
-    target = max(4.3 + 0.04 * b + 0.01 * drafts, 0.027 * (b + drafts + prompt_tokens))
-    drafter = max_draft * (0.25 + 0.005 * b) if drafts else 0.0
-    return target + drafter + (4.0 if prompt_tokens else 0.0)
+    draft verified, a draft dearer in a larger batch, and at least 0.027 ms a token in all:
+    compute-bound), the drafter's K passes over the `drafting` rows before it (each a little
+    dearer with more rows),
+    4 ms more for a step with prompt tokens (run82: 256 prompt tokens beside 31 decodes made
+    a step of 11.8 ms, 512 beside 30 one of 19.5), and the drafter's catch-up over `catch_up`
+    tokens it missed. Decode steps of runs 95-96 (medians): 6.16 / 8.31 ms at 32 rows and
+    K = 1 / 4; 7.65 / 10.89 / 14.39 / 22.50 at 128 rows and K = 0 / 1 / 2 / 4; 11.54 /
+    18.69 / 40.91 at 256 and K = 0 / 1 / 4 (this gives 5.9, 8.2; 7.8, 11.3, 14.9, 22.0;
+    11.2, 18.4, 40.7)."""
+    per_draft = min(0.022, 0.008 + 1e-4 * b)
+    target = max(4.3 + 0.027 * b + per_draft * drafts, 0.027 * (b + drafts + prompt_tokens))
+    drafter = max_draft * (0.25 + 0.005 * drafting) if drafts else 0.0
+    return target + drafter + (4.0 if prompt_tokens else 0.0) + catch_up_ms(catch_up)
+
+
+def catch_up_ms(tokens: int) -> float:
+    return CATCH_UP_MS[0] + CATCH_UP_MS[1] * tokens if tokens else 0.0
 
 
 def price_list(cost_ms, max_draft_len: int, max_num_seqs: int) -> CostModel:
@@ -52,9 +66,10 @@ def price_list(cost_ms, max_draft_len: int, max_num_seqs: int) -> CostModel:
     and the drafter's steps (a step's K draft passes, priced per batch size); the engine's
     online corrections then learn the rest (steps with prompt tokens)."""
     batch_sizes, widths = grid_axes(max_num_seqs, max_draft_len)
-    grid = [[cost_ms(b, b * (w - 1), 0) / 1e3 for w in widths] for b in batch_sizes]
-    draft_step = [(cost_ms(b, b, 1) - cost_ms(b, b, 0)) / 1e3 for b in batch_sizes]
-    return CostModel(batch_sizes, widths, grid, draft_step=draft_step, source="simulated")
+    grid = [[cost_ms(b, b * (w - 1), 0, 0) / 1e3 for w in widths] for b in batch_sizes]
+    draft_step = [(cost_ms(b, b, 1, b) - cost_ms(b, b, 0, 0)) / 1e3 for b in batch_sizes]
+    return CostModel(batch_sizes, widths, grid, draft_step=draft_step, catch_up_fixed=CATCH_UP_MS[0] / 1e3,
+                     catch_up_token=CATCH_UP_MS[1] / 1e3, source="simulated")
 
 
 class Client:
@@ -88,11 +103,15 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
     first, then waiting prompts in chunks up to the step's token budget; a request decodes
     from the step after its prompt's last chunk."""
     rng = random.Random(args.seed)  # the stagger below, then each step's accept/reject draws
-    decoding = [Client(i, args, acceptance).next_request() for i in range(concurrency)]
-    for req, _, _ in decoding:  # the clients' first requests at staggered points, as in a steady state
-        req.token_ids.extend([0] * (1 + rng.randrange(args.output_len - 1)))
-        req.num_computed = req.num_absorbed = req.num_tokens - 1
-    waiting = []  # requests still feeding their prompts, in order of arrival
+    first = [Client(i, args, acceptance).next_request() for i in range(concurrency)]
+    decoding, waiting = [], []  # waiting: requests still feeding their prompts, in order of arrival
+    if args.burst:  # every client's first prompt at once, as `tidal bench matrix` sends them
+        waiting = first
+    else:  # the clients' first requests at staggered points, as in a steady state
+        decoding = first
+        for req, _, _ in decoding:
+            req.token_ids.extend([0] * (1 + rng.randrange(args.output_len - 1)))
+            req.num_computed = req.num_absorbed = req.num_tokens - 1
     told = isinstance(policy, Goodput) and isinstance(policy.acceptance, Told)
     if isinstance(policy, Goodput):
         policy.demand = lambda limit: min(sum(r.num_tokens - r.num_computed for r, _, _ in waiting), limit)
@@ -121,18 +140,23 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             room -= chunks[-1]
             if room == 0:
                 break
-        ms = args.cost(len(reqs), sum(ks), max(ks, default=0), sum(chunks))
+        # A drafting request's drafter first absorbs what it missed (its prompt, K = 0 steps)
+        # beyond the K + 1 tokens every proposal feeds.
+        catch_up = sum(max(r.num_computed - r.num_absorbed - args.k - 1, 0) for r, k in zip(reqs, ks) if k)
+        ms = args.cost(len(reqs), sum(ks), max(ks, default=0), sum(k > 0 for k in ks), sum(chunks), catch_up)
         if reqs:
             fed = [req for req, _, _ in waiting[:len(chunks)]]
             done = [req.num_computed + n == req.num_tokens for req, n in zip(fed, chunks)]
             plan = StepPlan(reqs + fed, [1] * len(reqs) + chunks, list(ks) + [0] * len(fed), ks.note)
             result = StepResult(torch.zeros(len(plan.requests), 1 + max(ks), dtype=torch.int64),
                                 torch.tensor([1 + n for n in accepted] + [int(d) for d in done]))
-            policy.observe(plan, result, ms / 1e3)
+            policy.observe(plan, result, ms / 1e3, catch_up_ms(catch_up) / 1e3 if catch_up else None)
         made = 0
-        for (req, _, client), n in zip(decoding, accepted):
+        for (req, _, client), n, k in zip(decoding, accepted, ks):
             req.token_ids.extend([0] * (1 + n))
-            req.num_computed = req.num_absorbed = req.num_tokens - 1
+            req.num_computed = req.num_tokens - 1
+            if k:  # the drafter saw every token up to the drafts
+                req.num_absorbed = req.num_computed
             made += 1 + n
             if req.num_tokens - req.num_prompt_tokens >= req.params.max_tokens:
                 req.status = Status.FINISHED
@@ -142,7 +166,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             req.num_computed += n
             if req.num_computed == req.num_tokens:  # its first token: it decodes from the next step
                 req.token_ids.append(0)
-                req.num_computed = req.num_absorbed = req.num_tokens - 1
+                req.num_computed = req.num_tokens - 1  # the drafter has yet to absorb the prompt
                 made += 1
                 waiting.remove((req, rates, client))
                 decoding.append((req, rates, client))
@@ -171,6 +195,8 @@ def main():
     p.add_argument("--modes", default="none,fixed:1,fixed:2,fixed:4,goodput,oracle")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--burst", action="store_true",
+                   help="the clients' first prompts all at once (as the matrix sends them), not staggered")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     args = p.parse_args()
@@ -191,10 +217,11 @@ def main():
             row = simulate(policy, args, acceptance, c)
             rows.append(row)
             cell[row["mode"]] = row
-        best = max(r["tokens_per_s"] for m, r in cell.items() if m not in ("goodput", "oracle"))
+        others = [r["tokens_per_s"] for m, r in cell.items() if m not in ("goodput", "oracle")]
         g = cell.get("goodput")
         extra = ""
-        if g:
+        if g and others:
+            best = max(others)
             extra = (f"  goodput/best {g['tokens_per_s'] / best:.3f}  drafts expected {g['expected_draft_tokens']:.0f}"
                      f" got {g['accepted_draft_tokens']:.0f}")
         print(f"c={c:4d}  " + "  ".join(f"{m} {r['tokens_per_s']:7.0f}" for m, r in cell.items()) + extra, flush=True)

@@ -149,8 +149,8 @@ class StepLog:
     def choose(self, requests, limits, num_waiting):
         return self.policy.choose(requests, limits, num_waiting)
 
-    def observe(self, plan, result, step_time):
-        self.policy.observe(plan, result, step_time)
+    def observe(self, plan, result, step_time, catch_up_time=None):
+        self.policy.observe(plan, result, step_time, catch_up_time)
         decoding = [i for i, n in enumerate(plan.num_new_tokens) if plan.samples(i)]
         if len(decoding) == sum(plan.num_new_tokens):
             self.decode_steps.append((len(plan.requests), step_time))

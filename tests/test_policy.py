@@ -287,6 +287,20 @@ def test_catch_up_pays_for_the_steps_a_request_has_left():
     assert sum(Goodput(model, K, demand=lambda limit: limit).choose(unabsorbed(16, 500), [K] * 16, 100)) == 0
 
 
+def test_a_catch_up_is_spread_over_every_token_a_request_has_left():
+    """128 fresh requests of 256 output tokens whose drafter must first absorb its 256-token
+    prompt (1 us a token), where K = 1 makes 4% more tokens a second than K = 0 once caught
+    up. Spread over the 256 tokens each has left, the catch-up costs less than that gain, so
+    they draft. (Spread over at most 64 steps at the K limit's pace, as it once was, it cost
+    more: the requests stayed at K = 0, and their backlog only grew.) With 8 tokens left it
+    does not pay."""
+    model = cost(lambda b, w: 0.0045 + 0.003 * b * w / 128)  # 7.5 ms a plain step at 128 rows, 10.5 at K = 1
+    model.catch_up_token = 1e-6
+    for tokens_left, drafts in ((256, True), (8, False)):
+        ks = Goodput(model, K).choose(unabsorbed(128, 256, tokens_left), [K] * 128, 0)
+        assert (sum(ks) > 0) is drafts, tokens_left
+
+
 def test_prompt_tokens_in_the_step_make_drafts_dearer():
     """1,000 prompt tokens share the step, within its budget: it is compute-bound, so a draft
     costs what a prompt token costs rather than nothing; fewer drafts pay."""
@@ -459,11 +473,11 @@ def test_small_prompt_chunks_teach_the_fixed_cost_not_the_price():
 def test_steps_with_prompts_learn_what_each_draft_step_adds():
     """A step with prompt tokens runs with nothing to hide its host work behind, so each of
     its draft steps costs more than in a decode step (2 ms here, beyond the grid's price):
-    the fixed cost is learned per longest K, a K never seen beside a prompt looks free until
-    tried, and decode steps' prices stay as they were."""
+    the fixed cost is learned per longest K, a K never seen beside a prompt costs what the
+    longest shorter one seen does, and decode steps' prices stay as they were."""
     model = CostModel.from_function(true_cost, *grid_axes(16, 4))
     decode = float(model.step_time(8, 16, 2, 8, 0))
-    floor = {k: float(model.step_time(8, 8 * k, k, 8 if k else 0, 0, prefill=20)) for k in (0, 2, 4)}
+    floor = {k: float(model.step_time(8, 8 * k, k, 8 if k else 0, 0, prefill=20)) for k in (0, 2, 3, 4)}
     for _ in range(40):
         for k in (0, 2, 4):
             model.observe(8, 8 * k, k, 8 if k else 0, 0, floor[k] + 0.004 + 0.002 * k, prefill=20)
@@ -471,8 +485,19 @@ def test_steps_with_prompts_learn_what_each_draft_step_adds():
         assert model.prompt_fixed[k] == pytest.approx(0.004 + 0.002 * k, rel=0.05)
         assert float(model.step_time(8, 8 * k, k, 8 if k else 0, 0, prefill=20)) == pytest.approx(
             floor[k] + 0.004 + 0.002 * k, rel=0.02)
-    assert model.prompt_fixed[3] == 0  # never seen beside a prompt: tried before it is priced
+    assert float(model.step_time(8, 24, 3, 8, 0, prefill=20)) == pytest.approx(floor[3] + 0.008, rel=0.02)
     assert float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(decode)
+
+
+def test_no_draft_to_dodge_a_prompt_steps_fixed_cost():
+    """Where every step's budget is full of prompt tokens (long prompts at high load), the
+    steps are too large to teach a drafting K's fixed cost beside a prompt; priced at 0, one
+    draft made the step look 3.5 ms cheaper than none, and goodput drafted a token every
+    step, each paying a catch-up (4% of the time in the simulated W3 at 256 clients)."""
+    model = cost(lambda b, w: 0.0045 + 0.003 * b * w / 128)
+    model.prompt_fixed[0], model.prompt_fixed_weight[0] = 0.0035, 1.0
+    ks = Goodput(model, K, demand=lambda limit: limit).choose(make_requests(200), [K] * 200, 10)
+    assert sum(ks) == 0
 
 
 def test_steps_with_prompts_leave_the_decode_error_alone():

@@ -8,9 +8,10 @@
   mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K). When
   prefill chunks share the step, it costs at least what its tokens cost in a compute-bound
   step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing;
-  and a fixed cost on top (`prompt_fixed`, learned per longest draft K): such a step costs
-  more than its tokens' floor however few they are, and more with every draft step than a
-  decode step does (a longer host launch, hidden only where a step in flight runs before it).
+  and a fixed cost on top (`prompt_fixed`, learned per longest draft K, never less than a
+  shorter K's): such a step costs more than its tokens' floor however few they are, and more
+  with every draft step than a decode step does (a longer host launch, hidden only where a
+  step in flight runs before it).
 - context: attention reads every token of every request's context; `context_ref` is the
   context per request the grid was measured at.
 - proposer: a fixed cost plus one per draft step (draft models run one forward per
@@ -84,7 +85,10 @@ class CostModel:
         self.token_price = self.grid[-1:, -1] / (self.batch_sizes[-1] * self.widths[-1])
         self.token_weight = self.weight[-1:, -1].copy()
         # What a step with prompt tokens costs beyond its tokens' floor, per longest draft K
-        # (0 .. the widest width - 1); one not yet seen looks free, so it is tried once.
+        # (0 .. the widest width - 1). A K is priced at least as a shorter one (each draft step
+        # adds host work), also one not yet seen: steps too large to teach it (a token budget
+        # full of prompt) would otherwise leave it free, and a lone draft would look like a way
+        # to save a prompt step's fixed cost.
         self.prompt_fixed = np.zeros(int(self.widths[-1]))
         self.prompt_fixed_weight = np.zeros(int(self.widths[-1]))
         self.padded = padded
@@ -143,7 +147,7 @@ class CostModel:
         prefill = np.asarray(prefill, dtype=float)
         target = self._target(batch, num_drafts, max_draft)
         if prefill.any():
-            fixed = self.prompt_fixed[np.minimum(max_draft, len(self.prompt_fixed) - 1).astype(int)]
+            fixed = np.maximum.accumulate(self.prompt_fixed)[np.minimum(max_draft, len(self.prompt_fixed) - 1).astype(int)]
             target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill))
                               + fixed, target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
@@ -204,6 +208,8 @@ class CostModel:
                 self._learn(self.token_price, self.token_weight, ((0, 1.0),), min(error, predicted) / tokens)
             else:
                 k = min(int(max_draft), len(self.prompt_fixed) - 1)
+                if self.prompt_fixed_weight[k] == 0:  # from the price it was given
+                    self.prompt_fixed[k] = self.prompt_fixed[:k].max(initial=0.0)
                 self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((k, 1.0),),
                             max(min(error, predicted), -self.prompt_fixed[k]))
             return

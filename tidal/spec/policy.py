@@ -152,11 +152,12 @@ class Goodput:
         would: rarely where the prompt tokens make the step compute-bound. A draft that takes
         budget a prompt wants pushes a prompt token to a later step, at the same price.
       - a drafter that missed tokens (K = 0 steps, a fresh prompt) absorbs them before it
-        drafts. That pays for the request's drafting steps to come, so the price is spread
-        over the steps the request has left at its K limit, at most `horizon`: a request
-        about to finish is not worth resuming, a fresh one still starts. Not while prompts
-        wait for the step's budget, though: the batch is still growing, and drafting that
-        pays at this load may not at the one to come, so the catch-up is charged in full.
+        drafts. That pays for the tokens the request has left, so each token it is expected
+        to make this step bears 1 / (tokens left) of the price: a request about to finish is
+        not worth resuming, a fresh one starts, and a K that makes more tokens bears more of
+        it. Not while prompts wait for the step's budget, though: the batch is still growing,
+        and drafting that pays at this load may not at the one to come, so the catch-up is
+        charged in full.
 
     The time a step's drafts add to it is priced `draft_premium` above the cost model's
     figure: drafting costs more than its own steps show, and the acceptance estimates that
@@ -194,7 +195,7 @@ class Goodput:
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
                  demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, draft_premium: float = 0.1,
-                 horizon: int = 64, probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
+                 probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  explore_interval: int = 32, explore_margin: float = 0.15):
         self.cost = cost
         self.acceptance = AcceptanceModel(max_draft_len)
@@ -203,7 +204,6 @@ class Goodput:
         self.demand = demand      # demand(limit): prompt tokens that want this step's budget, counted up to limit
         self.hysteresis = hysteresis
         self.draft_premium = draft_premium
-        self.horizon = horizon    # most steps a catch-up is expected to serve
         self.probe_interval = probe_interval
         self.max_probes = max_probes
         self.probe_overhead = probe_overhead  # a probe that costs this much of a step comes every probe_interval steps
@@ -251,9 +251,14 @@ class Goodput:
         decided = ks
         plain_step = float(self.cost.step_time(b, 0, 0, 0, context))  # the decodes' plain step
         if cap > 0 and limit.max() > 0:
-            steps_left = np.clip(left / (1 + gain.sum(axis=1)), 1, self.horizon if demand < room else 1)
-            # What each request brings to the step if it drafts: itself, its catch-up, the share of it charged now.
-            brings = np.stack([np.ones(b), backlog, backlog / steps_left], axis=1)
+            # What each request brings to the step if it drafts: itself, its catch-up, and the
+            # share of that charged now, for its own token here and `per_token` for each draft's.
+            if demand < room:
+                per_token = backlog / np.maximum(left, 1)
+                charged = per_token
+            else:  # the batch is still growing: in full
+                per_token, charged = np.zeros(b), backlog
+            brings = np.stack([np.ones(b), backlog, charged], axis=1)
 
             def seconds(n, longest, drafting, prompt=0):
                 """A candidate's seconds: its step, shared with up to `prompt` tokens of prefill
@@ -271,7 +276,7 @@ class Goodput:
                 return (step + self.cost.token_cost() * (prompt - shared)
                         + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
 
-            tokens, n, longest, drafting, ks_of = self._candidates(gain, limit, brings, cap)
+            tokens, n, longest, drafting, ks_of = self._candidates(gain, limit, brings, per_token, cap)
             alone = seconds(n, longest, drafting)
             rates = tokens / alone
             best = float(rates.max())  # tokens per second of the best step without prefill
@@ -289,7 +294,7 @@ class Goodput:
             ks, rate = ks_of(j), float(rates[j])
             previous = np.minimum([self.previous.get(r, k) for r, k in zip(requests, ks.tolist())], limit)
             if not np.array_equal(previous, ks) and previous.sum() <= cap:
-                tokens, *shape = self._shape(gain, brings, previous)
+                tokens, *shape = self._shape(gain, brings, per_token, previous)
                 alone = float(seconds(*shape))
                 held_score = score(tokens, shape, alone)
                 # Kept if within `hysteresis` of the best, but never a draft priced below K = 0:
@@ -338,37 +343,43 @@ class Goodput:
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
 
     @staticmethod
-    def _candidates(gain, limit, brings, cap):
+    def _candidates(gain, limit, brings, per_token, cap):
         """Both families of candidates: their expected tokens, their step's shape (drafts, the
-        longest, what the drafting requests bring) and ks_of(j), the K per request of the j-th."""
+        longest, what the drafting requests bring, `per_token` of their catch-up charged per
+        expected token on top) and ks_of(j), the K per request of the j-th."""
         b, width = gain.shape
         # The n likeliest drafts: order by gain, position-major so that a tie keeps a
         # request's earlier position first (each request's drafts stay a prefix).
         flat = gain.T.ravel()
         order = np.argsort(-flat, kind="stable")[:min(cap, np.count_nonzero(flat))]
-        pos = order // b
+        pos, row = order // b, order % b
         tokens = b + np.concatenate([[0.0], np.cumsum(flat[order])])
         longest = np.concatenate([[0], np.maximum.accumulate(pos + 1)])
-        drafting = np.cumsum(np.where((pos == 0)[:, None], brings[order % b], 0.0), axis=0)
-        drafting = np.concatenate([np.zeros((1, brings.shape[1])), drafting])
+        each = np.where((pos == 0)[:, None], brings[row], 0.0)
+        each[:, 2] += per_token[row] * flat[order]
+        drafting = np.concatenate([np.zeros((1, brings.shape[1])), np.cumsum(each, axis=0)])
         # The same K = w for every request that may draft it.
         w = np.arange(1, width + 1)
         uniform = np.minimum(limit[:, None], w)
         total = uniform.sum(axis=0)
-        alike = np.where(total <= cap, b + np.cumsum(gain, axis=1).sum(axis=0), -np.inf)
+        made = np.cumsum(gain, axis=1)  # expected tokens beyond the first at K = 1 .. width
+        alike = np.where(total <= cap, b + made.sum(axis=0), -np.inf)
+        bring = np.tile(brings[limit > 0].sum(axis=0), (width, 1))
+        bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
 
         def ks_of(j):
             return np.bincount(order[:j] % b, minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
 
         return (np.concatenate([tokens, alike]), np.concatenate([np.arange(len(order) + 1), total]),
-                np.concatenate([longest, w]), np.concatenate([drafting, np.tile(brings[limit > 0].sum(axis=0), (width, 1))]),
-                ks_of)
+                np.concatenate([longest, w]), np.concatenate([drafting, bring]), ks_of)
 
     @staticmethod
-    def _shape(gain, brings, ks):
+    def _shape(gain, brings, per_token, ks):
         """Expected tokens and step shape of one K per request."""
-        tokens = len(ks) + gain[np.arange(gain.shape[1]) < ks[:, None]].sum()
-        return float(tokens), int(ks.sum()), int(ks.max()), brings[ks > 0].sum(axis=0)
+        made = (gain * (np.arange(gain.shape[1]) < ks[:, None])).sum(axis=1)
+        bring = brings[ks > 0].sum(axis=0)
+        bring[2] += per_token[ks > 0] @ made[ks > 0]
+        return float(len(ks) + made.sum()), int(ks.sum()), int(ks.max()), bring
 
     def _draft_cap(self, b: int) -> int:
         """Drafts that fit the step's token budget and the free KV slots."""
