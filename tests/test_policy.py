@@ -291,9 +291,9 @@ def test_a_catch_up_is_spread_over_every_token_a_request_has_left():
     """128 fresh requests of 256 output tokens whose drafter must first absorb its 256-token
     prompt (1 us a token), where K = 1 makes 4% more tokens a second than K = 0 once caught
     up. Spread over the 256 tokens each has left, the catch-up costs less than that gain, so
-    they draft. (Spread over at most 64 steps at the K limit's pace, as it once was, it cost
-    more: the requests stayed at K = 0, and their backlog only grew.) With 8 tokens left it
-    does not pay."""
+    they draft. (Spread over 64 steps at the K limit's pace instead, it would cost more than
+    the gain: the requests would stay at K = 0 while their backlog grew.) With 8 tokens left
+    it does not pay."""
     model = cost(lambda b, w: 0.0045 + 0.003 * b * w / 128)  # 7.5 ms a plain step at 128 rows, 10.5 at K = 1
     model.catch_up_token = 1e-6
     for tokens_left, drafts in ((256, True), (8, False)):
@@ -491,9 +491,9 @@ def test_steps_with_prompts_learn_what_each_draft_step_adds():
 
 def test_no_draft_to_dodge_a_prompt_steps_fixed_cost():
     """Where every step's budget is full of prompt tokens (long prompts at high load), the
-    steps are too large to teach a drafting K's fixed cost beside a prompt; priced at 0, one
-    draft made the step look 3.5 ms cheaper than none, and goodput drafted a token every
-    step, each paying a catch-up (4% of the time in the simulated W3 at 256 clients)."""
+    steps are too large to teach a drafting K's fixed cost beside a prompt. Priced at 0, one
+    draft would make the step look 3.5 ms cheaper than none, and goodput would draft a token
+    in every step, each paying a catch-up."""
     model = cost(lambda b, w: 0.0045 + 0.003 * b * w / 128)
     model.prompt_fixed[0], model.prompt_fixed_weight[0] = 0.0035, 1.0
     ks = Goodput(model, K, demand=lambda limit: limit).choose(make_requests(200), [K] * 200, 10)

@@ -147,7 +147,8 @@ class CostModel:
         prefill = np.asarray(prefill, dtype=float)
         target = self._target(batch, num_drafts, max_draft)
         if prefill.any():
-            fixed = np.maximum.accumulate(self.prompt_fixed)[np.minimum(max_draft, len(self.prompt_fixed) - 1).astype(int)]
+            k = np.minimum(max_draft, len(self.prompt_fixed) - 1).astype(int)
+            fixed = np.maximum.accumulate(self.prompt_fixed)[k]
             target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill))
                               + fixed, target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
