@@ -419,26 +419,6 @@ def test_cost_model_learns_the_price_of_catching_up():
     assert float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(drafting)
 
 
-def test_a_catch_up_timed_apart_teaches_both_prices():
-    """A probe resumes drafting for requests that missed many tokens, so a step at a width
-    the policy does not run carries a catch-up. Timed apart, such steps correct the width's
-    stale price as well as the catch-up's; untimed, only the catch-up's, and the width keeps
-    its price for good."""
-    def stale(b, w):
-        return true_cost(b, w) * (1.5 if w == 2 else 1.0)  # width 2 profiled 50% dear
-    seconds = true_cost(16, 2) + 0.005  # width 2 at its true price; catching up 10,000 tokens in 5 ms
-    for timed in (True, False):
-        model = CostModel.from_function(stale, *grid_axes(16, 4), catch_up_fixed=0.003, catch_up_token=1e-6)
-        for _ in range(40):
-            model.observe(16, 16, 1, 16, 0, seconds, catch_up=10_000, catch_up_seconds=0.005 if timed else None)
-        width_2 = float(model.step_time(16, 16, 1, 16, 0))
-        if timed:
-            assert width_2 == pytest.approx(true_cost(16, 2), rel=0.05)
-            assert float(model.catch_up_time(10_000)) == pytest.approx(0.005, rel=0.05)
-        else:
-            assert width_2 == pytest.approx(stale(16, 2))
-
-
 def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
     """A step whose drafter catches up over 10,000 tokens, or that carries a prompt chunk,
     is priced as such: neither raises the price of a plain decode step."""

@@ -41,9 +41,8 @@ A step that carries prefill chunks corrects only the prompt terms: the price of 
 compute-bound token when it has at least the tokens of the grid's largest shape, the fixed
 cost of its longest K otherwise. A smaller one's time is mostly fixed costs, which would
 teach the price their share per token (and make a draft beside a prompt look dear at
-higher loads; docs/design.md). A step whose drafter catches up corrects the price of
-catching up (a scale on the profiled one) by the catch-up's own time on the device, and the
-rest of the model by the rest of the step; untimed, it corrects only the catch-up's price.
+higher loads; docs/design.md). One whose drafter catches up corrects only the price of
+catching up (a scale on the profiled one).
 """
 
 from __future__ import annotations
@@ -172,35 +171,19 @@ class CostModel:
         return float(self.token_price[0])
 
     def observe(self, batch: int, num_drafts: int, max_draft: int, num_drafting: int, context: float,
-                seconds: float, prefill: int = 0, catch_up: int = 0, catch_up_seconds: float | None = None) -> float:
-        """Correct the model by this step's prediction error; returns the prediction. Where the
-        drafter's catch-up was timed apart (`catch_up_seconds`), it corrects the price of
-        catching up and the rest of the step corrects the rest of the model, as a step without
-        one would: a probe that resumes a request's drafting then also shows what its width
-        costs. Untimed, the whole error is the catch-up's."""
+                seconds: float, prefill: int = 0, catch_up: int = 0) -> float:
+        """Correct the model by this step's prediction error; returns the prediction."""
         predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill, catch_up))
         if not self.correct_online:
             return predicted  # a model given as the truth (tests, simulations): it has no error
         self.num_observed += 1
+        error = seconds - predicted
         if catch_up:
-            absorbing = float(self.catch_up_time(catch_up))
-            profiled = absorbing / self.catch_up_scale[0]
-            error, bound = ((seconds - predicted, predicted) if catch_up_seconds is None
-                            else (catch_up_seconds - absorbing, absorbing))
+            profiled = float(self.catch_up_time(catch_up)) / self.catch_up_scale[0]
             if profiled > 0:
                 self._learn(self.catch_up_scale, self.catch_up_weight, ((0, 1.0),),
-                            max(min(error, bound) / profiled, -self.catch_up_scale[0]))
-            if catch_up_seconds is None:
-                return predicted
-        if catch_up_seconds is not None:
-            seconds = max(seconds - catch_up_seconds, 1e-6)
-        self._observe_rest(batch, num_drafts, max_draft, num_drafting, context, seconds, prefill)
-        return predicted
-
-    def _observe_rest(self, batch, num_drafts, max_draft, num_drafting, context, seconds, prefill) -> None:
-        """`observe` for a step without a catch-up (or with its catch-up taken out)."""
-        predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill))
-        error = seconds - predicted
+                            max(min(error, predicted) / profiled, -self.catch_up_scale[0]))
+            return predicted
         if prefill:
             tokens = batch + num_drafts + prefill
             if self.token_weight[0] == 0:
@@ -213,10 +196,10 @@ class CostModel:
                     self.prompt_fixed[k] = self.prompt_fixed[:k].max(initial=0.0)
                 self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((k, 1.0),),
                             max(min(error, predicted), -self.prompt_fixed[k]))
-            return
+            return predicted
         # The error is a decode step's only: what the policy weighs is how decode steps of one
-        # K differ from those of another, and a step with prompts (whose time swings with what
-        # arrived) says nothing about that.
+        # K differ from those of another, and a step with prompts or a catch-up (whose time
+        # swings with what arrived) says nothing about that.
         miss = abs(predicted - seconds) / seconds
         self.error = miss if self.num_decodes == 0 else 0.95 * self.error + 0.05 * miss
         self.num_decodes += 1
@@ -232,6 +215,7 @@ class CostModel:
         if measured:
             error = float(np.clip(error, -self.cell_step * predicted, self.cell_step * predicted))
         self._learn(self.grid, self.weight, cells, error)
+        return predicted
 
     def _learn(self, values, weights, targets, error, rate=None) -> float:
         """Move the interpolated targets toward `error`; returns how far the prediction moved."""

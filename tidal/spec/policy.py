@@ -31,8 +31,8 @@ class SpecPolicy(Protocol):
     def observe(self, plan: StepPlan, result: StepResult, step_time: float,
                 catch_up_time: float | None = None) -> None:
         """What the step cost (seconds it added to the time line, host work included), the
-        part of it its drafter spent catching up (None where it did not, or was not timed
-        apart), and what it accepted."""
+        part of it its drafter spent catching up (None where it did not; for the log), and
+        what it accepted."""
         ...
 
     def stats(self) -> dict:
@@ -441,7 +441,7 @@ class Goodput:
         prefill = sum(plan.num_new_tokens) - len(decoding)
         context = sum(reqs[i].num_computed + 1 for i in decoding)
         predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
-                                      step_time, prefill, decision.catch_up, catch_up_time)
+                                      step_time, prefill, decision.catch_up)
         self.predicted, self.observed = predicted, step_time
         if self.log:
             decision.log.update(policy=self.name, prefill=prefill, predicted_s=predicted,
