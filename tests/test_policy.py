@@ -598,7 +598,7 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
 
 def test_a_drafters_catch_up_is_timed_apart(models, plain, tmp_path):
     """The step after a prompt's, where the drafter first absorbs the prompt, reports that
-    catch-up's own time, for the cost model to price it apart from the step's width."""
+    catch-up's own time in the decision log, apart from the step's."""
     log = tmp_path / "decisions.jsonl"
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=4,
               speculative_config=spec(models, "draft_model", policy="fixed", decision_log=str(log)))

@@ -67,9 +67,9 @@ class Drafts:
 
 class Span:
     """The time of the work queued on `device` from its making to `stop()`: between two CUDA
-    events, or by the wall clock on a CPU, whose work runs as it is queued. It lets a step's
-    parts be priced apart (a drafter's catch-up from the rest of its step). Read `seconds`
-    once the work is done."""
+    events, or by the wall clock on a CPU, whose work runs as it is queued. It tells a step's
+    parts apart (a drafter's catch-up from the rest of its step, in the decision log). Read
+    `seconds` once the work is done."""
 
     def __init__(self, device: torch.device):
         self.events = None
