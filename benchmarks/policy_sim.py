@@ -44,10 +44,10 @@ def h200_8b(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0):
     """Milliseconds of one step: the target's forward (a fixed cost, a share per row and per
     draft verified, a draft dearer in a larger batch, and at least 0.027 ms a token in all:
     compute-bound), the drafter's K passes over the `drafting` rows before it (each a little
-    dearer with more rows),
-    4 ms more for a step with prompt tokens (run82: 256 prompt tokens beside 31 decodes made
+    dearer with more rows), 4 ms more for a step with prompt tokens (run82: 256 prompt tokens beside 31 decodes made
     a step of 11.8 ms, 512 beside 30 one of 19.5), and the drafter's catch-up over `catch_up`
-    tokens it missed. Decode steps of runs 95-96 (medians): 6.16 / 8.31 ms at 32 rows and
+    tokens it missed. Decode steps of runs 95-96 (medians of the logged steps with one K for
+    every row, no prompt and no catch-up, all modes): 6.16 / 8.31 ms at 32 rows and
     K = 1 / 4; 7.65 / 10.89 / 14.39 / 22.50 at 128 rows and K = 0 / 1 / 2 / 4; 11.54 /
     18.69 / 40.91 at 256 and K = 0 / 1 / 4 (this gives 5.9, 8.2; 7.8, 11.3, 14.9, 22.0;
     11.2, 18.4, 40.7)."""
@@ -199,7 +199,9 @@ def main():
                    help="the clients' first prompts all at once (as the matrix sends them), not staggered")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
+    p.add_argument("--decision-log", help="append every policy's line per step here (as the engine's decision_log)")
     args = p.parse_args()
+    log = open(args.decision_log, "a", buffering=1) if args.decision_log else None
     args.cost = h200_8b
     acceptance = SimulatedAcceptance.parse(json.loads(args.acceptance))
     rows = []
@@ -214,6 +216,7 @@ def main():
                 policy = Goodput(price_list(args.cost, args.k, max(256, c)), args.k)
                 if mode == "oracle":
                     policy.acceptance = Told(args.k)
+            policy.log = log
             row = simulate(policy, args, acceptance, c)
             rows.append(row)
             cell[row["mode"]] = row

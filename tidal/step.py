@@ -62,7 +62,7 @@ class Drafts:
 
     tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
     lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
-    catch_up: "Span | None" = None  # the drafter absorbing what it missed, where it had to
+    catch_up: Span | None = None    # the drafter absorbing what it missed, where it had to
 
 
 class Span:
@@ -73,15 +73,17 @@ class Span:
 
     def __init__(self, device: torch.device):
         self.events = None
-        self.begun, self.wall = time.perf_counter(), 0.0
         if device.type == "cuda":
             self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self.events[0].record()
+        else:
+            self.begun = time.perf_counter()
 
-    def stop(self) -> "Span":
+    def stop(self) -> Span:
         if self.events is not None:
             self.events[1].record()
-        self.wall = time.perf_counter() - self.begun
+        else:
+            self.wall = time.perf_counter() - self.begun
         return self
 
     @property

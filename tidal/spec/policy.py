@@ -368,7 +368,7 @@ class Goodput:
         bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
 
         def ks_of(j):
-            return np.bincount(order[:j] % b, minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
+            return np.bincount(row[:j], minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
 
         return (np.concatenate([tokens, alike]), np.concatenate([np.arange(len(order) + 1), total]),
                 np.concatenate([longest, w]), np.concatenate([drafting, bring]), ks_of)
