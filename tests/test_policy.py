@@ -17,7 +17,7 @@ import torch
 from test_spec import truncated_drafter
 from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
-from tidal.request import Request
+from tidal.request import Request, Status
 from tidal.spec.acceptance import AcceptanceModel
 from tidal.spec.cost_model import CostModel, grid_axes
 from tidal.spec.policy import Goodput, make_policy
@@ -110,7 +110,8 @@ def test_requests_that_accept_more_draft_more():
     reqs = make_requests(2)
     for _ in range(40):
         ks = step(policy, reqs, [0.95, 0.05], rng)
-    assert ks == [K, 0]
+    # The first's estimates are shrunk toward the typical request's (0.5 here): a little short of K.
+    assert ks[1] == 0 and ks[0] >= K - 2
 
 
 def test_a_near_tie_goes_to_k0():
@@ -339,6 +340,22 @@ def test_acceptance_counts_positions_conditionally():
     assert first < 0.2 < second
     newcomer = model.estimates(model.rows(make_requests(3)[2:]))[0, 0]
     assert newcomer == pytest.approx(model.server()[0])       # a new request starts at the server's view
+
+
+def test_the_server_prior_is_a_typical_requests_not_the_busiest_ones():
+    """Two requests that drafted alone for a long time and then finished do not outweigh a
+    hundred requests probed once each at the load that followed."""
+    model = AcceptanceModel(4)
+    lone = make_requests(2)
+    for _ in range(200):
+        model.update(model.rows(lone), np.array([4, 4]), np.array([0, 0]))  # rejected every time
+    for req in lone:
+        req.status = Status.FINISHED
+    model.release_finished()
+    assert model.server()[0] < 0.2
+    rows = model.rows(make_requests(100))
+    model.update(rows, np.ones(100, dtype=np.int64), (np.arange(100) % 10 < 6).astype(np.int64))
+    assert 0.45 < model.server()[0] < 0.6
 
 
 def true_cost(b, w):

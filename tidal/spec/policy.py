@@ -247,7 +247,7 @@ class Goodput:
         gain = np.cumprod(self.acceptance.estimates(rows)[:, :limit.max()], axis=1)
         gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
 
-        ks, rate, plain_rate, drafting_rate, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, 0.0, False, False
+        ks, rate, plain_rate, best_drafting, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, None, False, False
         decided = ks
         plain_step = float(self.cost.step_time(b, 0, 0, 0, context))  # the decodes' plain step
         if cap > 0 and limit.max() > 0:
@@ -260,10 +260,10 @@ class Goodput:
                 per_token, charged = np.zeros(b), backlog
             brings = np.stack([np.ones(b), backlog, charged], axis=1)
 
-            def seconds(n, longest, drafting, prompt=0):
-                """A candidate's seconds: its step, shared with up to `prompt` tokens of prefill
-                (those its drafts push out cost as much in a later step), and the share of its
-                catch-up charged now."""
+            def priced(n, longest, drafting, prompt=0):
+                """A candidate's seconds in parts: its step, shared with up to `prompt` tokens of
+                prefill; the tax on its drafts; the prompt tokens its drafts push to a later step
+                (they cost as much there); and the share of its catch-up charged now."""
                 count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
                 shared = np.minimum(np.maximum(room - n, 0), prompt)
                 step = self.cost.step_time(b, n, longest, count, context, shared)
@@ -272,16 +272,24 @@ class Goodput:
                 # step: a draft must win by more than the prices' own error.
                 plain = self.cost.step_time(b, 0, 0, 0, context, shared) if prompt else plain_step
                 drafts = np.maximum(step - plain, 0.0)
-                step += np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * plain_step), 0.0)
-                return (step + self.cost.token_cost() * (prompt - shared)
-                        + self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
+                tax = np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * plain_step), 0.0)
+                return (step, tax, self.cost.token_cost() * (prompt - shared),
+                        self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
+
+            def seconds(*shape):
+                return sum(priced(*shape))
 
             tokens, n, longest, drafting, ks_of = self._candidates(gain, limit, brings, per_token, cap)
             alone = seconds(n, longest, drafting)
             rates = tokens / alone
             best = float(rates.max())  # tokens per second of the best step without prefill
             plain_rate = float(rates[0])  # K = 0 for everyone
-            drafting_rate = float(rates[1:].max(initial=0.0))  # the best that drafts (the log's, to explain a K = 0)
+            if len(rates) > 1:  # the best that drafts, in parts (the log's, to explain a K = 0)
+                d = 1 + int(np.argmax(rates[1:]))
+                step, tax, _, charge = (float(x) for x in priced(n[d], longest[d], drafting[d]))
+                best_drafting = {"tokens_per_s": float(rates[d]), "k": ks_of(d).tolist(), "tokens": float(tokens[d]),
+                                 "step_s": step, "tax_s": tax, "catch_up_s": charge, "plain_s": float(plain_step),
+                                 "acceptance_1": float(gain[limit > 0, 0].mean())}
 
             def score(tokens, shape, alone):
                 """Tokens beyond what the best rate would buy in the candidate's seconds with the
@@ -337,7 +345,8 @@ class Goodput:
         self.num_probes += len(probes)
         log = {"step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
                "held": held, "explored": explored, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate,
-               "drafting_tokens_per_s": drafting_rate, "catch_up": catch_up}
+               "best_drafting": best_drafting, "catch_up": catch_up,
+               "catch_up_scale": float(self.cost.catch_up_scale[0])}
         if not ks.any() and not demand:
             self.plain = (list(requests), list(limits), self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
