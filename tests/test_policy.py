@@ -139,6 +139,20 @@ def test_a_near_tie_goes_to_k0():
 STEP_AT_64 = {1: 0.0060, 2: 0.0077, 3: 0.0103, 4: 0.0127, 5: 0.0150}
 
 
+def experienced(model, rate, rng, num_requests=128, steps=20):
+    """`model` after `num_requests` finished requests drafted 4 tokens for `steps` steps,
+    each accepted with chance `rate`."""
+    past = make_requests(num_requests)
+    rows = model.rows(past)
+    for _ in range(steps):
+        accepted = [next((n for n in range(4) if rng.random() >= rate), 4) for _ in past]
+        model.update(rows, np.full(num_requests, 4), np.array(accepted))
+    for req in past:
+        req.status = Status.FINISHED
+    model.release_finished()
+    return model
+
+
 def k1_overpriced(b, w):
     return b / 64 * STEP_AT_64[w] * (1.2 if w == 2 else 1.0)
 
@@ -148,7 +162,7 @@ def settled_k(explore_interval, steps=300):
     step observed at its true time on a profile that prices K = 1 too high."""
     model = CostModel.from_function(k1_overpriced, *grid_axes(256, 4), padded=True)  # as with CUDA graphs
     policy, rng = Goodput(model, 4, explore_interval=explore_interval), random.Random(0)
-    policy.acceptance = AcceptanceModel(4, initial=0.6)  # what earlier, lighter loads taught it
+    policy.acceptance = experienced(AcceptanceModel(4), 0.6, random.Random(1))  # what earlier, lighter loads taught it
     reqs, history = make_requests(64), []
     for _ in range(steps):
         ks = policy.choose(reqs, [4] * 64, 0)

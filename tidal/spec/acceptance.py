@@ -11,9 +11,9 @@ n / (n + strength) for its n trials, the live requests' and those of the last `m
 finished ones (fading per request that finishes). Pooled trials would let the few requests
 that drafted most speak for everyone: two that drafted alone at one client, hundreds of
 trials each, would outweigh a hundred requests probed once each at the load that
-followed, where nobody drafts but the probes. Position m is shrunk toward position m-1,
-the server's toward the server's and a request's toward its own (`estimates`), so a
-position nobody has drafted yet is not a blind guess.
+followed, where nobody drafts but the probes. A request's position m is shrunk toward its
+own position m-1, scaled by how the drafter's acceptance falls with depth (`estimates`), so
+a position it has not drafted yet is not a blind guess.
 
 State lives in arrays with one row per live request, so the policy reads and updates a
 whole batch with a few array operations.
@@ -34,9 +34,9 @@ class AcceptanceModel:
         self.strength = strength  # pseudo-trials behind a request's prior
         self.decay = decay        # per drafting step of a request
         self.memory = memory      # finished requests the server estimate remembers (fading)
-        # Finished requests' votes: accepted / (n + strength) and n / (n + strength) per position.
-        self.past_accepted = np.zeros(max_draft_len)
-        self.past_weight = np.zeros(max_draft_len)
+        # Finished requests' `_votes` and `_depth_counts`, fading per request that finishes.
+        self.past_votes = np.zeros(2)
+        self.past_depth = np.zeros((2, max_draft_len))
         self.accepted = np.zeros((0, max_draft_len))
         self.tried = np.zeros((0, max_draft_len))
         self.live = np.zeros(0, dtype=bool)
@@ -56,17 +56,16 @@ class AcceptanceModel:
         done = np.array([self.row.pop(req) for req in [req for req in self.row if req.finished]], dtype=np.int64)
         if not len(done):
             return
-        accepted, weight = self._votes(done)
         fade = (1 - 1 / self.memory) ** len(done)
-        self.past_accepted = self.past_accepted * fade + accepted
-        self.past_weight = self.past_weight * fade + weight
+        self.past_votes = self.past_votes * fade + self._votes(done)
+        self.past_depth = self.past_depth * fade + np.stack(self._depth_counts(done, self._first()))
         self.live[done] = False
         self.free.extend(done.tolist())
 
-    def _votes(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The rows' votes per position: rate times weight, and weight (n / (n + strength))."""
-        denominator = self.tried[rows] + self.strength
-        return (self.accepted[rows] / denominator).sum(axis=0), (self.tried[rows] / denominator).sum(axis=0)
+    def _votes(self, rows: np.ndarray) -> tuple[float, float]:
+        """The rows' votes at position 1: rate times weight, and weight (n / (n + strength))."""
+        denominator = self.tried[rows, 0] + self.strength
+        return float((self.accepted[rows, 0] / denominator).sum()), float((self.tried[rows, 0] / denominator).sum())
 
     def _new_row(self, req: Request) -> int:
         if not self.free:
@@ -84,33 +83,51 @@ class AcceptanceModel:
 
     def server(self) -> np.ndarray:
         """Server-wide conditional acceptance per position: the typical request's."""
+        first = self._first()
+        return np.minimum(first * np.cumprod(self.depth(first)), 1 - 1e-3)
+
+    def _first(self) -> float:
+        """The typical request's acceptance at position 1."""
         accepted, weight = self._votes(np.flatnonzero(self.live))
-        accepted, weight = accepted + self.past_accepted, weight + self.past_weight
-        vote = 1 / (1 + self.strength)  # what the prior counts for: one trial's vote
-        out = np.empty(self.max_draft_len)
-        prior = self.initial
-        for m in range(self.max_draft_len):
-            prior = (accepted[m] + vote * prior) / (weight[m] + vote)
-            out[m] = prior
-        return out
+        vote = 1 / (1 + self.strength)  # what the initial guess counts for: one trial's vote
+        return (accepted + self.past_votes[0] + vote * self.initial) / (weight + self.past_votes[1] + vote)
 
     def estimates(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), max_draft_len] conditional acceptance per request and position.
 
         Position 1 is shrunk toward the server's. Position m is shrunk toward the request's
-        own m-1, its odds moved as the typical request's move from m-1 to m: how well a
-        request's drafts hold up depends on the request (its text, its sampling), and how
-        they fall off with depth on the drafter."""
-        server = np.clip(self.server(), 1e-3, 1 - 1e-3)
-        odds_step = server[1:] / (1 - server[1:]) * (1 - server[:-1]) / server[:-1]
+        own m-1 times how much the drafter's acceptance falls (or rises) from m-1 to m
+        (`depth`): how well a request's drafts hold up depends on the request (its text, its
+        sampling), how they fall off with depth on the drafter."""
+        prior = self._first()
+        depth = self.depth(prior)
         out = np.empty((len(rows), self.max_draft_len))
-        prior = server[0]
         for m in range(self.max_draft_len):
             if m:
-                odds = out[:, m - 1] / (1 - out[:, m - 1]) * odds_step[m - 1]
-                prior = odds / (1 + odds)
+                prior = np.minimum(out[:, m - 1] * depth[m], 1 - 1e-3)
             out[:, m] = (self.accepted[rows, m] + self.strength * prior) / (self.tried[rows, m] + self.strength)
         return out
+
+    def depth(self, first: float) -> np.ndarray:
+        """Per position m >= 2, acceptance at m over acceptance at m-1, each request compared
+        with itself: the accepts seen at m over those its own rate at m-1 would have given on
+        the same trials. Pooled rates per position would compare different requests, as only
+        those that accept well reach deep positions often. A request's rate at m-1 is shrunk
+        toward `first` (the typical request's at position 1): its trials at m are those where
+        m-1 was accepted, so with few trials its raw rate there would be near 1."""
+        accepted, expected = self._depth_counts(np.flatnonzero(self.live), first)
+        accepted, expected = accepted + self.past_depth[0], expected + self.past_depth[1]
+        vote = 1 / (1 + self.strength)  # no fall-off, worth one trial
+        return (accepted + vote) / (expected + vote)
+
+    def _depth_counts(self, rows: np.ndarray, first: float) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' accepts per position, and those their own rate one position earlier gives."""
+        accepted, tried = self.accepted[rows], self.tried[rows]
+        rate = (accepted + self.strength * first) / (tried + self.strength)
+        expected, counted = np.zeros(self.max_draft_len), np.zeros(self.max_draft_len)
+        expected[1:] = (tried[:, 1:] * rate[:, :-1]).sum(axis=0)
+        counted[1:] = accepted[:, 1:].sum(axis=0)
+        return counted, expected
 
     def update(self, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Row i drafted `drafted[i]` >= 1 tokens, of which the first `accepted[i]` were
