@@ -12,8 +12,8 @@ finished ones (fading per request that finishes). Pooled trials would let the fe
 that drafted most speak for everyone: two that drafted alone at one client, hundreds of
 trials each, would outweigh a hundred requests probed once each at the load that
 followed, where nobody drafts but the probes. A request's position m is shrunk toward its
-own position m-1, scaled by how the drafter's acceptance falls with depth (`estimates`), so
-a position it has not drafted yet is not a blind guess.
+own position m-1, scaled by how the drafter's acceptance falls with depth (`_walk`), so a
+position it has not drafted yet is not a blind guess.
 
 State lives in arrays with one row per live request, so the policy reads and updates a
 whole batch with a few array operations.
@@ -34,7 +34,8 @@ class AcceptanceModel:
         self.strength = strength  # pseudo-trials behind a request's prior
         self.decay = decay        # per drafting step of a request
         self.memory = memory      # finished requests the server estimate remembers (fading)
-        # Finished requests' `_votes` and `_depth_counts`, fading per request that finishes.
+        # Finished requests' `_votes`, and their accepts per position with those their own
+        # estimate one position back gave (`_walk`), fading per request that finishes.
         self.past_votes = np.zeros(2)
         self.past_depth = np.zeros((2, max_draft_len))
         self.accepted = np.zeros((0, max_draft_len))
@@ -52,13 +53,18 @@ class AcceptanceModel:
         return np.array(rows, dtype=np.int64)
 
     def release_finished(self) -> None:
-        """Free finished requests' rows; their votes join the server's memory."""
+        """Free finished requests' rows; their votes and depth counts join the server's memory."""
         done = np.array([self.row.pop(req) for req in [req for req in self.row if req.finished]], dtype=np.int64)
         if not len(done):
             return
+        live = np.flatnonzero(self.live)
+        out, _ = self._walk(live)
+        previous = out[np.searchsorted(live, done)][:, :-1]  # their estimates one position back
         fade = (1 - 1 / self.memory) ** len(done)
         self.past_votes = self.past_votes * fade + self._votes(done)
-        self.past_depth = self.past_depth * fade + np.stack(self._depth_counts(done, self._first()))
+        self.past_depth *= fade
+        self.past_depth[0, 1:] += self.accepted[done, 1:].sum(axis=0)
+        self.past_depth[1, 1:] += (self.tried[done, 1:] * previous).sum(axis=0)
         self.live[done] = False
         self.free.extend(done.tolist())
 
@@ -83,8 +89,8 @@ class AcceptanceModel:
 
     def server(self) -> np.ndarray:
         """Server-wide conditional acceptance per position: the typical request's."""
-        first = self._first()
-        return np.minimum(first * np.cumprod(self.depth(first)), 1 - 1e-3)
+        _, depth = self._walk(np.flatnonzero(self.live))
+        return np.minimum(self._first() * np.cumprod(depth), 1 - 1e-3)
 
     def _first(self) -> float:
         """The typical request's acceptance at position 1."""
@@ -93,41 +99,35 @@ class AcceptanceModel:
         return (accepted + self.past_votes[0] + vote * self.initial) / (weight + self.past_votes[1] + vote)
 
     def estimates(self, rows: np.ndarray) -> np.ndarray:
-        """[len(rows), max_draft_len] conditional acceptance per request and position.
+        """[len(rows), max_draft_len] conditional acceptance per request and position (the
+        rows are live: `rows` made them so)."""
+        live = np.flatnonzero(self.live)
+        out, _ = self._walk(live)
+        return out[np.searchsorted(live, rows)]
 
-        Position 1 is shrunk toward the server's. Position m is shrunk toward the request's
-        own m-1 times how much the drafter's acceptance falls (or rises) from m-1 to m
-        (`depth`): how well a request's drafts hold up depends on the request (its text, its
-        sampling), how they fall off with depth on the drafter."""
+    def _walk(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every live request's estimates, position by position, and the drafter's fall-off
+        with depth (acceptance at m over acceptance at m-1; 1 at position 1).
+
+        Position 1 is shrunk toward the typical request's. Position m is shrunk toward the
+        request's own m-1 times the fall-off: how well a request's drafts hold up depends on
+        the request (its text, its sampling), how they fall off with depth on the drafter.
+        The fall-off compares each request with itself: the accepts seen at m over those its
+        own estimate at m-1 gives on the same trials. Compared across requests, acceptance
+        would rise with depth wherever requests differ, since only those that accept well
+        reach deep positions often."""
+        accepted, tried = self.accepted[live], self.tried[live]
+        out = np.empty_like(accepted)
+        depth = np.ones(self.max_draft_len)
         prior = self._first()
-        depth = self.depth(prior)
-        out = np.empty((len(rows), self.max_draft_len))
         for m in range(self.max_draft_len):
             if m:
+                seen = accepted[:, m].sum() + self.past_depth[0, m]
+                expected = (tried[:, m] * out[:, m - 1]).sum() + self.past_depth[1, m]
+                depth[m] = (seen + self.strength) / (expected + self.strength)  # no fall-off, worth `strength` trials
                 prior = np.minimum(out[:, m - 1] * depth[m], 1 - 1e-3)
-            out[:, m] = (self.accepted[rows, m] + self.strength * prior) / (self.tried[rows, m] + self.strength)
-        return out
-
-    def depth(self, first: float) -> np.ndarray:
-        """Per position m >= 2, acceptance at m over acceptance at m-1, each request compared
-        with itself: the accepts seen at m over those its own rate at m-1 would have given on
-        the same trials. Pooled rates per position would compare different requests, as only
-        those that accept well reach deep positions often. A request's rate at m-1 is shrunk
-        toward `first` (the typical request's at position 1): its trials at m are those where
-        m-1 was accepted, so with few trials its raw rate there would be near 1."""
-        accepted, expected = self._depth_counts(np.flatnonzero(self.live), first)
-        accepted, expected = accepted + self.past_depth[0], expected + self.past_depth[1]
-        vote = 1 / (1 + self.strength)  # no fall-off, worth one trial
-        return (accepted + vote) / (expected + vote)
-
-    def _depth_counts(self, rows: np.ndarray, first: float) -> tuple[np.ndarray, np.ndarray]:
-        """The rows' accepts per position, and those their own rate one position earlier gives."""
-        accepted, tried = self.accepted[rows], self.tried[rows]
-        rate = (accepted + self.strength * first) / (tried + self.strength)
-        expected, counted = np.zeros(self.max_draft_len), np.zeros(self.max_draft_len)
-        expected[1:] = (tried[:, 1:] * rate[:, :-1]).sum(axis=0)
-        counted[1:] = accepted[:, 1:].sum(axis=0)
-        return counted, expected
+            out[:, m] = (accepted[:, m] + self.strength * prior) / (tried[:, m] + self.strength)
+        return out, depth
 
     def update(self, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Row i drafted `drafted[i]` >= 1 tokens, of which the first `accepted[i]` were
