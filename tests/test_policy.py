@@ -648,6 +648,10 @@ def test_profiled_goodput_end_to_end(models, plain, tmp_path):
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(lines) == policy["num_decisions"]
     assert {"batch", "k", "predicted_s", "observed_s", "accepted", "catch_up", "catch_up_s"} <= set(lines[-1])
+    # The best drafting candidate's rate is its tokens over its parts (a K = 0 explained).
+    parts = [line["best_drafting"] for line in lines if line.get("best_drafting")]
+    assert parts and all(p["tokens_per_s"] == pytest.approx(p["tokens"] / (p["step_s"] + p["tax_s"] + p["catch_up_s"]))
+                         for p in parts)
 
 
 def test_a_drafters_catch_up_is_timed_apart(models, plain, tmp_path):

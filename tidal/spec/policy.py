@@ -284,7 +284,7 @@ class Goodput:
             rates = tokens / alone
             best = float(rates.max())  # tokens per second of the best step without prefill
             plain_rate = float(rates[0])  # K = 0 for everyone
-            if len(rates) > 1:  # the best that drafts, in parts (the log's, to explain a K = 0)
+            if self.log and len(rates) > 1:  # the best that drafts, in parts (to explain a K = 0)
                 d = 1 + int(np.argmax(rates[1:]))
                 step, tax, _, charge = (float(x) for x in priced(n[d], longest[d], drafting[d]))
                 best_drafting = {"tokens_per_s": float(rates[d]), "k": ks_of(d).tolist(), "tokens": float(tokens[d]),
