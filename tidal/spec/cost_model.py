@@ -171,37 +171,19 @@ class CostModel:
         return float(self.token_price[0])
 
     def observe(self, batch: int, num_drafts: int, max_draft: int, num_drafting: int, context: float,
-                seconds: float, prefill: int = 0, catch_up: int = 0, catch_up_seconds: float | None = None) -> float:
-        """Correct the model by this step's prediction error; returns the prediction. A step
-        whose drafter caught up over `catch_up` tokens in `catch_up_seconds` (timed apart)
-        corrects the catch-up's price by that time, and the rest of the model by the rest."""
+                seconds: float, prefill: int = 0, catch_up: int = 0) -> float:
+        """Correct the model by this step's prediction error; returns the prediction."""
         predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill, catch_up))
         if not self.correct_online:
             return predicted  # a model given as the truth (tests, simulations): it has no error
         self.num_observed += 1
         error = seconds - predicted
         if catch_up:
-            catching_up = float(self.catch_up_time(catch_up))
-            profiled = catching_up / self.catch_up_scale[0]
-            if catch_up_seconds is not None:
-                error = catch_up_seconds - catching_up
+            profiled = float(self.catch_up_time(catch_up)) / self.catch_up_scale[0]
             if profiled > 0:
                 self._learn(self.catch_up_scale, self.catch_up_weight, ((0, 1.0),),
                             max(min(error, predicted) / profiled, -self.catch_up_scale[0]))
-            if catch_up_seconds is None:
-                return predicted  # the step's whole error is put down to the catch-up
-            # The rest is a step like any other: with CUDA graphs a probe's whole batch runs at
-            # its width, and this is how a width left for K = 0 is seen at its price again.
-            self._learn_step(batch, num_drafts, max_draft, prefill, predicted - catching_up,
-                             seconds - catch_up_seconds)
             return predicted
-        self._learn_step(batch, num_drafts, max_draft, prefill, predicted, seconds)
-        return predicted
-
-    def _learn_step(self, batch, num_drafts, max_draft, prefill, predicted, seconds) -> None:
-        """Correct the prompt terms (a step with prefill chunks) or the decode terms by what
-        a step without a catch-up took, or the part of one beside its catch-up."""
-        error = seconds - predicted
         if prefill:
             tokens = batch + num_drafts + prefill
             if self.token_weight[0] == 0:
@@ -214,7 +196,7 @@ class CostModel:
                     self.prompt_fixed[k] = self.prompt_fixed[:k].max(initial=0.0)
                 self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((k, 1.0),),
                             max(min(error, predicted), -self.prompt_fixed[k]))
-            return
+            return predicted
         # The error is a decode step's only: what the policy weighs is how decode steps of one
         # K differ from those of another, and a step with prompts or a catch-up (whose time
         # swings with what arrived) says nothing about that.
@@ -233,6 +215,7 @@ class CostModel:
         if measured:
             error = float(np.clip(error, -self.cell_step * predicted, self.cell_step * predicted))
         self._learn(self.grid, self.weight, cells, error)
+        return predicted
 
     def _learn(self, values, weights, targets, error, rate=None) -> float:
         """Move the interpolated targets toward `error`; returns how far the prediction moved."""
