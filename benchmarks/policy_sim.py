@@ -17,7 +17,10 @@ told each request's true acceptance rates.
 Tokens per second are counted after `--warmup` steps, the clients' first requests starting
 at staggered points (a steady state). Every mode meets the same requests (each request's
 rates come from its seed). For goodput, `expected_draft_tokens` sums what its estimates
-expected its drafts to add, `accepted_draft_tokens` what they added. Writes --json if given.
+expected its drafts to add, `accepted_draft_tokens` what they added. `--pause-every N` adds
+`--pause-ms` to one step in N, at random (the same steps for every mode), as the H200's
+servers paused for 180-290 ms every few hundred steps at 128 clients and more (runs 101-103).
+Writes --json if given.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
     first, then waiting prompts in chunks up to the step's token budget; a request decodes
     from the step after its prompt's last chunk."""
     rng = random.Random(args.seed)  # the stagger below, then each step's accept/reject draws
+    pauses = random.Random(args.seed + 1)  # which steps the host pauses in: the same ones for every mode
     first = [Client(i, args, acceptance).next_request() for i in range(concurrency)]
     decoding, waiting = [], []  # waiting: requests still feeding their prompts, in order of arrival
     if args.burst:  # every client's first prompt at once, as `tidal bench matrix` sends them
@@ -144,6 +148,8 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
         # beyond the K + 1 tokens every proposal feeds.
         catch_up = sum(max(r.num_computed - r.num_absorbed - args.k - 1, 0) for r, k in zip(reqs, ks) if k)
         ms = args.cost(len(reqs), sum(ks), max(ks, default=0), sum(k > 0 for k in ks), sum(chunks), catch_up)
+        if args.pause_every and pauses.random() < 1 / args.pause_every:
+            ms += args.pause_ms
         if reqs:
             fed = [req for req, _, _ in waiting[:len(chunks)]]
             done = [req.num_computed + n == req.num_tokens for req, n in zip(fed, chunks)]
@@ -198,6 +204,9 @@ def main():
     p.add_argument("--burst", action="store_true",
                    help="the clients' first prompts all at once (as the matrix sends them), not staggered")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pause-every", type=float, default=0,
+                   help="the host pauses in one step of this many, at random (0: never)")
+    p.add_argument("--pause-ms", type=float, default=250.0, help="how long a pause adds to its step")
     p.add_argument("--json")
     p.add_argument("--decision-log", help="append every policy's line per step here (as the engine's decision_log)")
     args = p.parse_args()

@@ -34,7 +34,8 @@ so. Each is a running mean at first, then an exponential average; the level's fa
 the cells', and one step moves a cell by at most a fifth of its prediction. A spell of
 slow steps (a pause, another tenant) thus raises every width's price, not just that of
 the width it ran at, which would otherwise look dear once the spell is over and, no
-longer chosen, never be seen at its true price again.
+longer chosen, never be seen at its true price again. A lone step far slower than the
+model usually misses by is a pause, not a price: it counts as a few typical misses.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prefill chunks corrects only the prompt terms: the price of a
@@ -108,6 +109,7 @@ class CostModel:
         self.cell_step = cell_step    # the most one step's error moves a cell, as a share of the prediction
         self.level_rate = level_rate  # how fast the level follows the errors: faster, so that a spell
                                       # of slow steps moves every shape and not the one it was seen at
+        self.pause_misses = 4.0       # a step slower than predicted by more than this many typical misses is a pause
         self.source = source
 
     def to_dict(self) -> dict:
@@ -201,6 +203,7 @@ class CostModel:
         # K differ from those of another, and a step with prompts or a catch-up (whose time
         # swings with what arrived) says nothing about that.
         miss = abs(predicted - seconds) / seconds
+        typical = self.error if self.num_decodes else 1.0
         self.error = miss if self.num_decodes == 0 else 0.95 * self.error + 0.05 * miss
         self.num_decodes += 1
         b0, b1, f = bracket(batch, self.batch_sizes)
@@ -208,7 +211,12 @@ class CostModel:
         kind = int(num_drafts > 0)
         measured = self.weight[b0, w0] > 0 and self.weight[b1, w1] > 0  # profiled, or observed before
         if measured or (self.level_weight[kind, b0] > 0 and self.level_weight[kind, b1] > 0):
-            error = min(error, predicted)  # one slow step (a pause, a page fault) at most doubles the belief
+            # A step far slower than the model usually misses by is a pause (the host, the
+            # machine), not the price of its shape: it counts as `pause_misses` typical misses
+            # (and 10%) at most. Were it the drafting steps' price, K = 0 would look cheaper
+            # from then on and, drafting no longer tried, stay so. A real change is in every
+            # step; it raises the typical miss, and with it the bound, within a few steps.
+            error = min(error, predicted * min(1.0, max(0.1, self.pause_misses * typical)))
         error -= self._learn(self.level, self.level_weight, (((kind, b0), 1 - f), ((kind, b1), f)), error,
                              self.level_rate)
         cells = (((b0, w0), (1 - f) * (1 - g)), ((b0, w1), (1 - f) * g), ((b1, w0), f * (1 - g)), ((b1, w1), f * g))
