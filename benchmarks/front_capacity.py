@@ -2,7 +2,8 @@
 own app and core process, but a core without a model (ClockCore: every --step-ms it commits
 one token to every running request). At 256 clients and 24 ms a step, a perfect front
 streams 256 / 0.024 = 10,667 tok/s; what it reaches, and the API process's CPU time, bound
-what the HTTP path can cost a real engine on any GPU. The load comes from `tidal bench`'s
+what the HTTP path can cost a real engine on any GPU. Also counted: steps the core began
+more than four steps late (held up in its send while the API process did not drain the pipe). The load comes from `tidal bench`'s
 client in this process; the server is a subprocess.
 
     PYTHONPATH=.:benchmarks python benchmarks/front_capacity.py [--step-ms 24] [--concurrency 256]
@@ -38,6 +39,7 @@ class ClockCore:
     """The engine core's interface (what `core_process.run_core` calls), without a model."""
 
     step_s = float(os.environ.get("TIDAL_CLOCK_STEP_S", "0.024"))
+    stalls = os.environ.get("TIDAL_CLOCK_STALLS")  # a file: one line per step that began late
 
     def __init__(self, config: EngineConfig):
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -65,6 +67,8 @@ class ClockCore:
         return list(self.running)
 
     def add_request(self, req: Request) -> None:
+        if not self.running:  # idle until now: the next step is due at once, not late
+            self.next_step = time.monotonic() - self.step_s
         self.running[req.request_id] = req
 
     def finish(self, request_id: str, reason: str = "abort", stop_reason=None) -> EngineOutput | None:
@@ -72,6 +76,10 @@ class ClockCore:
         return None if req is None else self._end(req, [], reason, stop_reason)
 
     def step(self) -> list[EngineOutput]:
+        late = time.monotonic() - (self.next_step + self.step_s)
+        if self.stalls and late > 4 * self.step_s:  # the core was held up (a send the API did not drain)
+            with open(self.stalls, "a") as f:
+                f.write(f"{late:.4f}\n")
         self.next_step = max(self.next_step + self.step_s, time.monotonic())
         time.sleep(max(0.0, self.next_step - time.monotonic()))
         self.num_steps += 1
@@ -128,7 +136,8 @@ def main() -> None:
         args.concurrency, args.num_prompts, args.input_len, args.output_len = 8, 16, 16, 16
     model = str(write_model_dir(Path(tempfile.mkdtemp()), SMOKE))
     args.port = args.port or free_port()
-    env = {**os.environ, "TIDAL_CLOCK_STEP_S": str(args.step_ms / 1e3)}
+    stalls = Path(tempfile.mkdtemp()) / "stalls.txt"
+    env = {**os.environ, "TIDAL_CLOCK_STEP_S": str(args.step_ms / 1e3), "TIDAL_CLOCK_STALLS": str(stalls)}
     server = subprocess.Popen([sys.executable, __file__, "--serve", model, "--port", str(args.port)], env=env)
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -152,13 +161,16 @@ def main() -> None:
         server.terminate()
         server.wait()
     ideal = args.concurrency / (args.step_ms / 1e3)
+    late = [float(x) for x in stalls.read_text().split()] if stalls.exists() else []
     result = {"step_ms": args.step_ms, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
               "output_tok_s": row["output_throughput"], "ideal_tok_s": ideal,
               "of_ideal": row["output_throughput"] / ideal, "api_process_cores": api_cores,
-              "failed": row["failed"], "median_ttft_ms": row["median_ttft_ms"], "median_tpot_ms": row["median_tpot_ms"]}
+              "failed": row["failed"], "median_ttft_ms": row["median_ttft_ms"], "median_tpot_ms": row["median_tpot_ms"],
+              "core_stalls": len(late), "core_stall_s": sum(late), "core_stall_max_ms": 1e3 * max(late, default=0.0)}
     print(f"clock core, {args.step_ms:g} ms a step, c={args.concurrency}: {result['output_tok_s']:.0f} of "
           f"{ideal:.0f} tok/s ({result['of_ideal']:.2f}); API process {api_cores:.2f} cores; "
-          f"{row['failed']} failed; median TTFT {row['median_ttft_ms']:.0f} ms, TPOT {row['median_tpot_ms']:.1f} ms")
+          f"{row['failed']} failed; median TTFT {row['median_ttft_ms']:.0f} ms, TPOT {row['median_tpot_ms']:.1f} ms; "
+          f"the core held up {len(late)} times, {sum(late):.2f} s in all (longest {result['core_stall_max_ms']:.0f} ms)")
     print(json.dumps(result))
     if row["failed"]:
         sys.exit(1)
