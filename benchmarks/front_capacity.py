@@ -3,8 +3,9 @@ own app and core process, but a core without a model (ClockCore: every --step-ms
 one token to every running request). At 256 clients and 24 ms a step, a perfect front
 streams 256 / 0.024 = 10,667 tok/s; what it reaches, and the API process's CPU time, bound
 what the HTTP path can cost a real engine on any GPU. Also counted: steps the core began
-more than four steps late (held up in its send while the API process did not drain the pipe). The load comes from `tidal bench`'s
-client in this process; the server is a subprocess.
+more than four steps late (held up in its send while the API process did not drain the
+pipe). The load comes from `tidal bench`'s client in this process; the server is a
+subprocess.
 
     PYTHONPATH=.:benchmarks python benchmarks/front_capacity.py [--step-ms 24] [--concurrency 256]
 Prints a table and one JSON line. (`--smoke`: a short run, for the CPU tests.)

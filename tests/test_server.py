@@ -113,8 +113,9 @@ def test_models_and_completion(client):
 
 
 def test_a_serving_api_process_keeps_its_start_up_objects_out_of_collections(client):
-    """A full collection over the libraries' objects held the API process for 120-135 ms on
-    this CPU, and the core, its pipe full, with it (`benchmarks/front_capacity.py`)."""
+    """A full collection over the libraries' objects holds the API process up, and the
+    core with it once its pipe is full (`benchmarks/front_capacity.py` counts the core's
+    stalls)."""
     client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=2, **GREEDY)
     assert gc.get_freeze_count() > 100_000
 

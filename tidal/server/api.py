@@ -63,9 +63,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        # A full collection here walks the libraries' objects too (a quarter of a million,
-        # 130-160 ms on a 2-core CPU), and while it runs nothing drains the core's pipe: the
-        # core blocks in its send and the device idles.
+        # A full collection would walk the libraries' objects too (a quarter of a million),
+        # and while it runs nothing drains the core's pipe: the core blocks in its send and
+        # the device idles (docs/design.md).
         with frozen_heap():
             yield
         await engine.stop()
