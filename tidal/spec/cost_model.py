@@ -212,10 +212,10 @@ class CostModel:
         measured = self.weight[b0, w0] > 0 and self.weight[b1, w1] > 0  # profiled, or observed before
         if measured or (self.level_weight[kind, b0] > 0 and self.level_weight[kind, b1] > 0):
             # A step far slower than the model usually misses by is a pause (the host, the
-            # machine), not the price of its shape: it counts as `pause_misses` typical misses
-            # (and 10%) at most. Were it the drafting steps' price, K = 0 would look cheaper
-            # from then on and, drafting no longer tried, stay so. A real change is in every
-            # step; it raises the typical miss, and with it the bound, within a few steps.
+            # machine), not the price of its shape: it counts as `pause_misses` typical
+            # misses at most (or 10%, if more). Were it the drafting steps' price, K = 0 would
+            # look cheaper from then on and, drafting no longer tried, stay so. A real change
+            # is in every step; it raises the typical miss, and with it the bound.
             error = min(error, predicted * min(1.0, max(0.1, self.pause_misses * typical)))
         error -= self._learn(self.level, self.level_weight, (((kind, b0), 1 - f), ((kind, b1), f)), error,
                              self.level_rate)
