@@ -4,7 +4,8 @@ one token to every running request). At 256 clients and 24 ms a step, a perfect 
 streams 256 / 0.024 = 10,667 tok/s; what it reaches, and the API process's CPU time, bound
 what the HTTP path can cost a real engine on any GPU. Also counted: steps the core began
 more than four steps late (held up in its send while the API process did not drain the
-pipe). The load comes from `tidal bench`'s client in this process; the server is a
+pipe), and what a full garbage collection in the API process walks, and takes, once it
+is up. The load comes from `tidal bench`'s client in this process; the server is a
 subprocess.
 
     PYTHONPATH=.:benchmarks python benchmarks/front_capacity.py [--step-ms 24] [--concurrency 256]
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -40,7 +42,7 @@ class ClockCore:
     """The engine core's interface (what `core_process.run_core` calls), without a model."""
 
     step_s = float(os.environ.get("TIDAL_CLOCK_STEP_S", "0.024"))
-    stalls = os.environ.get("TIDAL_CLOCK_STALLS")  # a file: one line per step that began late
+    report = os.environ.get("TIDAL_CLOCK_REPORT")  # a folder: stalls.txt, a line per step that began late
 
     def __init__(self, config: EngineConfig):
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -78,8 +80,8 @@ class ClockCore:
 
     def step(self) -> list[EngineOutput]:
         late = time.monotonic() - (self.next_step + self.step_s)
-        if self.stalls and late > 4 * self.step_s:  # the core was held up (a send the API did not drain)
-            with open(self.stalls, "a") as f:
+        if self.report and late > 4 * self.step_s:  # the core was held up (a send the API did not drain)
+            with open(Path(self.report) / "stalls.txt", "a") as f:
                 f.write(f"{late:.4f}\n")
         self.next_step = max(self.next_step + self.step_s, time.monotonic())
         time.sleep(max(0.0, self.next_step - time.monotonic()))
@@ -111,7 +113,13 @@ def serve(model: str, port: int) -> None:
     from tidal.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(EngineConfig(model=model, device="cpu"), make_core=ClockCore)
-    uvicorn.run(build_app(engine, "clock"), host="127.0.0.1", port=port, log_level="warning")
+    app = build_app(engine, "clock")
+    # What a full collection walks in the API process once it is up, and how long it takes.
+    objects, begun = len(gc.get_objects()), time.perf_counter()
+    gc.collect()
+    (Path(os.environ["TIDAL_CLOCK_REPORT"]) / "api_gc.json").write_text(json.dumps(
+        {"api_objects": objects, "api_full_collection_ms": 1e3 * (time.perf_counter() - begun)}))
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -137,8 +145,8 @@ def main() -> None:
         args.concurrency, args.num_prompts, args.input_len, args.output_len = 8, 16, 16, 16
     model = str(write_model_dir(Path(tempfile.mkdtemp()), SMOKE))
     args.port = args.port or free_port()
-    stalls = Path(tempfile.mkdtemp()) / "stalls.txt"
-    env = {**os.environ, "TIDAL_CLOCK_STEP_S": str(args.step_ms / 1e3), "TIDAL_CLOCK_STALLS": str(stalls)}
+    report = Path(tempfile.mkdtemp())
+    env = {**os.environ, "TIDAL_CLOCK_STEP_S": str(args.step_ms / 1e3), "TIDAL_CLOCK_REPORT": str(report)}
     server = subprocess.Popen([sys.executable, __file__, "--serve", model, "--port", str(args.port)], env=env)
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -162,16 +170,20 @@ def main() -> None:
         server.terminate()
         server.wait()
     ideal = args.concurrency / (args.step_ms / 1e3)
+    stalls = report / "stalls.txt"
     late = [float(x) for x in stalls.read_text().split()] if stalls.exists() else []
     result = {"step_ms": args.step_ms, "concurrency": args.concurrency, "num_prompts": args.num_prompts,
               "output_tok_s": row["output_throughput"], "ideal_tok_s": ideal,
               "of_ideal": row["output_throughput"] / ideal, "api_process_cores": api_cores,
               "failed": row["failed"], "median_ttft_ms": row["median_ttft_ms"], "median_tpot_ms": row["median_tpot_ms"],
-              "core_stalls": len(late), "core_stall_s": sum(late), "core_stall_max_ms": 1e3 * max(late, default=0.0)}
+              "core_stalls": len(late), "core_stall_s": sum(late), "core_stall_max_ms": 1e3 * max(late, default=0.0),
+              **json.loads((report / "api_gc.json").read_text())}
     print(f"clock core, {args.step_ms:g} ms a step, c={args.concurrency}: {result['output_tok_s']:.0f} of "
           f"{ideal:.0f} tok/s ({result['of_ideal']:.2f}); API process {api_cores:.2f} cores; "
           f"{row['failed']} failed; median TTFT {row['median_ttft_ms']:.0f} ms, TPOT {row['median_tpot_ms']:.1f} ms; "
-          f"the core held up {len(late)} times, {sum(late):.2f} s in all (longest {result['core_stall_max_ms']:.0f} ms)")
+          f"the core held up {len(late)} times, {sum(late):.2f} s in all (longest {result['core_stall_max_ms']:.0f} ms); "
+          f"a full collection in the API process walks {result['api_objects']:,} objects in "
+          f"{result['api_full_collection_ms']:.0f} ms")
     print(json.dumps(result))
     if row["failed"]:
         sys.exit(1)

@@ -138,13 +138,18 @@ def test_a_near_tie_goes_to_k0():
 STEP_AT_64 = {1: 0.0060, 2: 0.0077, 3: 0.0103, 4: 0.0127, 5: 0.0150}
 
 
+def accepted_of(rates, rng):
+    """Drafts of 4 accepted in a row, each position i with chance rates(i)."""
+    return next((n for n in range(4) if rng.random() >= rates(n)), 4)
+
+
 def experienced(model, rate, rng, num_requests=128, steps=20):
     """`model` after `num_requests` finished requests drafted 4 tokens for `steps` steps,
     each accepted with chance `rate`."""
     past = make_requests(num_requests)
     rows = model.rows(past)
     for _ in range(steps):
-        accepted = [next((n for n in range(4) if rng.random() >= rate), 4) for _ in past]
+        accepted = [accepted_of(lambda n: rate, rng) for _ in past]
         model.update(rows, np.full(num_requests, 4), np.array(accepted))
     for req in past:
         req.status = Status.FINISHED
@@ -380,7 +385,7 @@ def test_the_fall_off_with_depth_is_measured_request_by_request():
     rows = flat.rows(make_requests(64))
     rates = np.where(np.arange(64) % 2 == 0, 0.9, 0.3)
     for _ in range(40):
-        flat.update(rows, np.full(64, 4), np.array([next((n for n in range(4) if rng.random() >= a), 4) for a in rates]))
+        flat.update(rows, np.full(64, 4), np.array([accepted_of(lambda n: a, rng) for a in rates]))
     pooled = flat.accepted[rows].sum(axis=0) / flat.tried[rows].sum(axis=0)
     assert pooled[3] > pooled[0] + 0.2
     fresh = flat.estimates(flat.rows(make_requests(65)[64:]))[0]
@@ -389,8 +394,7 @@ def test_the_fall_off_with_depth_is_measured_request_by_request():
     falling = AcceptanceModel(4)
     rows = falling.rows(make_requests(64))
     for _ in range(40):
-        falling.update(rows, np.full(64, 4),
-                       np.array([next((n for n in range(4) if rng.random() >= 0.9 - 0.2 * n), 4) for _ in range(64)]))
+        falling.update(rows, np.full(64, 4), np.array([accepted_of(lambda n: 0.9 - 0.2 * n, rng) for _ in range(64)]))
     fresh = falling.estimates(falling.rows(make_requests(65)[64:]))[0]
     assert fresh == pytest.approx([0.9, 0.7, 0.5, 0.3], abs=0.08)
 

@@ -63,7 +63,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        # A full collection would walk the libraries' objects too (a quarter of a million),
+        # A full collection would walk the libraries' objects too (a third of a million),
         # and while it runs nothing drains the core's pipe: the core blocks in its send and
         # the device idles (docs/design.md).
         with frozen_heap():

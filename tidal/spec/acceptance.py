@@ -89,12 +89,13 @@ class AcceptanceModel:
 
     def server(self) -> np.ndarray:
         """Server-wide conditional acceptance per position: the typical request's."""
-        _, depth = self._walk(np.flatnonzero(self.live))
-        return np.minimum(self._first() * np.cumprod(depth), 1 - 1e-3)
+        live = np.flatnonzero(self.live)
+        _, depth = self._walk(live)
+        return np.minimum(self._first(live) * np.cumprod(depth), 1 - 1e-3)
 
-    def _first(self) -> float:
-        """The typical request's acceptance at position 1."""
-        accepted, weight = self._votes(np.flatnonzero(self.live))
+    def _first(self, live: np.ndarray) -> float:
+        """The typical request's acceptance at position 1 (`live`: the live rows)."""
+        accepted, weight = self._votes(live)
         vote = 1 / (1 + self.strength)  # what the initial guess counts for: one trial's vote
         return (accepted + self.past_votes[0] + vote * self.initial) / (weight + self.past_votes[1] + vote)
 
@@ -119,7 +120,7 @@ class AcceptanceModel:
         accepted, tried = self.accepted[live], self.tried[live]
         out = np.empty_like(accepted)
         depth = np.ones(self.max_draft_len)
-        prior = self._first()
+        prior = self._first(live)
         for m in range(self.max_draft_len):
             if m:
                 seen = accepted[:, m].sum() + self.past_depth[0, m]
