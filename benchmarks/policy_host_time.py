@@ -19,8 +19,8 @@ import torch
 
 from tidal.config import SamplingParams
 from tidal.request import Request
-from tidal.spec.cost_model import CostModel, grid_axes
-from tidal.spec.policy import Goodput
+from tidal.speculative.cost_model import CostModel, grid_axes
+from tidal.speculative.policy import Goodput
 from tidal.step import StepPlan, StepResult
 
 

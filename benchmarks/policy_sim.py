@@ -8,7 +8,7 @@ come from a cost function that stands in for the device (`h200_8b`: a Llama-3.1-
 EAGLE-3 head on one H200, fitted by eye to the decision logs of runs 82, 95 and 96), and
 drafts are accepted
 as `SimulatedAcceptance` says (per position, per request). The policy is the engine's own
-(`tidal.spec.policy`), fed plans and results as the scheduler feeds it; its profile is the
+(`tidal.speculative.policy`), fed plans and results as the scheduler feeds it; its profile is the
 cost function's decode steps, and its online corrections learn the rest. So a figure says
 whether the policy chooses right when its prices can be right, and what it learns of
 acceptance; what a GPU gives, `tidal bench matrix` measures. The "oracle" mode is goodput
@@ -34,9 +34,9 @@ import torch
 
 from tidal.config import SamplingParams, SimulatedAcceptance
 from tidal.request import Request, Status
-from tidal.spec.acceptance import AcceptanceModel
-from tidal.spec.cost_model import CostModel, grid_axes
-from tidal.spec.policy import Fixed, Goodput, Off
+from tidal.speculative.acceptance import AcceptanceModel
+from tidal.speculative.cost_model import CostModel, grid_axes
+from tidal.speculative.policy import Fixed, Goodput, Off
 from tidal.step import StepPlan, StepResult
 
 

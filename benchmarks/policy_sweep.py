@@ -51,7 +51,7 @@ from gpu_fastpath import (LLAMA_8B, SMOKE, free_memory, per_step_us, phase_timin
                           write_model_dir)
 from tidal import LLM, SamplingParams
 from tidal.engine import frozen_heap
-from tidal.spec.policy import Fixed, Off
+from tidal.speculative.policy import Fixed, Off
 
 
 PROMPT_SEEDS = itertools.count(100)

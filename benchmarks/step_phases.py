@@ -42,7 +42,7 @@ from tidal.bench.matrix import WORKLOADS
 from tidal.bench.offline import run_load_offline
 from tidal.bench.workload import Load, mode_spec_config, warm_up_load
 from tidal.runner import PendingStep
-from tidal.spec.proposer import ChainDrafter
+from tidal.speculative.proposer import ChainDrafter
 
 PHASES = ("observe", "plan", "choose", "propose", "absorb", "launch", "wait", "commit")
 

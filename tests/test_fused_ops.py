@@ -215,7 +215,7 @@ def test_accept_matching_commits_what_verify_commits(simulate):
 
     from tidal.config import SamplingParams
     from tidal.layers.sampler import STREAM_ACCEPT, SamplingTensors, hash_uniform
-    from tidal.spec.verify import verify
+    from tidal.speculative.verify import verify
 
     torch.manual_seed(0)
     B, K, V = 64, 4, 6

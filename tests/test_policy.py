@@ -18,9 +18,9 @@ from test_spec import truncated_drafter
 from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
 from tidal.request import Request, Status
-from tidal.spec.acceptance import AcceptanceModel
-from tidal.spec.cost_model import CostModel, grid_axes
-from tidal.spec.policy import Goodput, make_policy
+from tidal.speculative.acceptance import AcceptanceModel
+from tidal.speculative.cost_model import CostModel, grid_axes
+from tidal.speculative.policy import Goodput, make_policy
 from tidal.step import StepPlan, StepResult
 
 K = 8

@@ -189,7 +189,7 @@ def test_compute_logprobs():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs only show on CUDA")
 def test_no_host_sync_on_cuda():
-    from tidal.spec.verify import verify
+    from tidal.speculative.verify import verify
 
     params = [SamplingParams(temperature=0), SamplingParams(top_k=5, top_p=0.9, min_p=0.01)]
     logits = torch.randn(2, 3, 100, device="cuda")

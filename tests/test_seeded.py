@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import tidal
 from tidal import LLM, EngineConfig, SamplingParams
 from tidal.server import AsyncEngine, build_app
-from tidal.spec.cost_model import CostModel, grid_axes
+from tidal.speculative.cost_model import CostModel, grid_axes
 from test_server import uvicorn_thread
 
 PAIR = Path(tidal.__file__).parent / "demo_pair"

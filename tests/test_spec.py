@@ -16,9 +16,9 @@ import tidal.runner
 from checkpoints import make_eagle3_checkpoint
 from stats import homogeneity_pvalue
 from tidal import LLM, SamplingParams
-from tidal.spec.policy import Choice, NoFeedback
-import tidal.spec.verify as verify_module
-from tidal.spec.verify import verify as real_verify
+from tidal.speculative.policy import Choice, NoFeedback
+import tidal.speculative.verify as verify_module
+from tidal.speculative.verify import verify as real_verify
 
 NEW_TOKENS = 28
 

@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-import tidal.spec.verify as verify_module
+import tidal.speculative.verify as verify_module
 from tidal.config import SamplingParams, SimulatedAcceptance
 from tidal.layers.sampler import STREAM_SAMPLE, SamplingTensors, processed_probs, sample, sample_from_probs
-from tidal.spec.verify import verify
+from tidal.speculative.verify import verify
 from stats import chi_square_pvalue
 
 ALPHA = 1e-3  # significance level of every chi-square test below

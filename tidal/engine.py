@@ -18,8 +18,8 @@ from tidal.processing import EngineOutput
 from tidal.request import Request
 from tidal.runner import ModelRunner, PendingStep
 from tidal.scheduler import Scheduler, pages_for
-from tidal.spec import build_proposer
-from tidal.spec.policy import make_policy
+from tidal.speculative import build_proposer
+from tidal.speculative.policy import make_policy
 from tidal.step import StepPlan
 
 logger = logging.getLogger(__name__)

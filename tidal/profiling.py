@@ -22,7 +22,7 @@ import torch
 
 from tidal.config import SamplingParams
 from tidal.request import Request
-from tidal.spec.cost_model import CostModel, fill_by_tokens, grid_axes, monotone
+from tidal.speculative.cost_model import CostModel, fill_by_tokens, grid_axes, monotone
 from tidal.step import Drafts, StepPlan
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from tidal.kv_cache import NULL_PAGE
 from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
-from tidal.spec.verify import verify
+from tidal.speculative.verify import verify
 from tidal.step import Ahead, Drafts, Span, StepPlan, StepResult
 
 

@@ -15,7 +15,7 @@ from collections import deque
 
 from tidal.kv_cache import PagePool
 from tidal.request import Request, SpecStats, Status
-from tidal.spec.policy import Off, SpecPolicy
+from tidal.speculative.policy import Off, SpecPolicy
 from tidal.step import StepPlan, StepResult
 
 

@@ -17,8 +17,8 @@ import numpy as np
 
 from tidal.config import SpecConfig
 from tidal.request import Request
-from tidal.spec.acceptance import AcceptanceModel
-from tidal.spec.cost_model import CostModel, grid_axes
+from tidal.speculative.acceptance import AcceptanceModel
+from tidal.speculative.cost_model import CostModel, grid_axes
 from tidal.step import StepPlan, StepResult
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from tidal.config import SpecConfig
-from tidal.spec.proposer import Proposer
+from tidal.speculative.proposer import Proposer
 
 
 def build_proposer(spec: SpecConfig, runner, target_config) -> Proposer:
     if spec.method == "ngram":
-        from tidal.spec.ngram import NgramProposer
+        from tidal.speculative.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
     if spec.method == "draft_model":
-        from tidal.spec.draft_model import DraftModelProposer
+        from tidal.speculative.draft_model import DraftModelProposer
 
         return DraftModelProposer(spec.model, runner, target_config)
-    from tidal.spec.eagle3 import Eagle3Proposer
+    from tidal.speculative.eagle3 import Eagle3Proposer
 
     return Eagle3Proposer(spec.model, runner, target_config)

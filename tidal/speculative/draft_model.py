@@ -12,7 +12,7 @@ import torch
 
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
-from tidal.spec.proposer import ChainDrafter
+from tidal.speculative.proposer import ChainDrafter
 
 
 class DraftModelProposer(ChainDrafter):

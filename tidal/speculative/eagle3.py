@@ -16,7 +16,7 @@ from tidal.batch import to_device
 from tidal.models.config import ModelConfig
 from tidal.models.eagle3 import Eagle3Config, load_eagle3
 from tidal.models.loader import default_aux_layer_ids
-from tidal.spec.proposer import ChainDrafter
+from tidal.speculative.proposer import ChainDrafter
 
 
 class Eagle3Proposer(ChainDrafter):
