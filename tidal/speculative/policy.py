@@ -130,65 +130,30 @@ class Decision:
 
 
 class Goodput:
-    """Per step, the K_i that maximise expected committed tokens per second of the step
-    (DESIGN.md, "Choosing K: the goodput policy").
+    """Per step, the K_i that maximise expected committed tokens per second of the step.
+    docs/design.md ("The goodput policy" and its subsection "How goodput decides") has the
+    reasoning at length and the measurements behind it.
 
-    The expected tokens of request i at K are 1 + sum_{j<=K} prod_{m<=j} a_i(m), from the
-    acceptance model; the step's time comes from the cost model and depends on everyone's
-    K at once. Two families of candidates are scored and the best wins:
-      - the n drafts most likely to be accepted, over all requests, for every n (optimal
-        when the cost follows the number of tokens; requests that accept more get a
-        longer K);
-      - the same K for every request (what pays when CUDA graphs pad each row to the
-        widest one).
-    K = 0 for everyone is the first candidate of the first family.
+    A request's expected tokens at K come from its acceptance estimates; the step's seconds
+    come from the cost model and depend on everyone's K at once. Two families of candidates
+    are scored, the best winning: the n drafts most likely to be accepted over all requests,
+    for every n (best where cost follows tokens; n = 0 is K = 0 for everyone), and one K for
+    every request (best where CUDA graphs pad each row to the widest). Prompt tokens that
+    share the step are computed anyway, so beside them a candidate scores the tokens it makes
+    beyond what the best decode-only rate would buy in its seconds (Dinkelbach). A drafter's
+    catch-up over the tokens it missed pays for every token its request has left, so each
+    token expected this step bears 1 / (tokens left) of its price (all of it while prompts
+    wait: the batch is still growing).
 
-    Two things the step's decodes did not cause still shape it:
-      - prompt tokens share the step (`demand`: the scheduler gives them the budget the
-        decodes leave). They are computed anyway, so the best rate is taken over the steps
-        without them; with them, a candidate scores the tokens it makes beyond what that
-        rate would buy in its seconds (Dinkelbach; without prompt tokens the best rate wins,
-        with score 0). A draft then pays where it buys tokens cheaper than a decode-only step
-        would: rarely where the prompt tokens make the step compute-bound. A draft that takes
-        budget a prompt wants pushes a prompt token to a later step, at the same price.
-      - a drafter that missed tokens (K = 0 steps, a fresh prompt) absorbs them before it
-        drafts. That pays for the tokens the request has left, so each token it is expected
-        to make this step bears 1 / (tokens left) of the price: a request about to finish is
-        not worth resuming, a fresh one starts, and a K that makes more tokens bears more of
-        it. Not while prompts wait for the step's budget, though: the batch is still growing,
-        and drafting that pays at this load may not at the one to come, so the catch-up is
-        charged in full.
-
-    The time a step's drafts add to it is priced `draft_premium` above the cost model's
-    figure: drafting costs more than its own steps show, and the acceptance estimates that
-    make a draft look worth it are noisy. A near tie thus goes to K = 0, whose price is
-    exact. Only the drafts' own time is taxed, not the prompt tokens sharing the step
-    (docs/design.md, "The goodput policy", has the measurements). Where drafts look nearly
-    free they are taxed at least the cost model's recent error on a decode step (`cost.error`,
-    times the plain step's price): a gain smaller than the prices' own noise is no gain, so
-    drafts that are never accepted stop however cheap they look.
-
-    The previous decision is kept unless the new one is better by `hysteresis` (though never
-    a drafting one that K = 0 now beats: a spell of rejections must end drafting at once,
-    not once the estimates have fallen 3% further), and a request at K = 0 drafts one token
-    now and then (a probe, see `_probe`), so that its acceptance estimate does not stay
-    stale where it was left.
-
-    A decision of K = 0 for everyone is not made again while nothing it was made from has
-    changed (the same requests and limits, no prompt waiting): the estimates move only when
-    requests draft, so until the next probe falls due (at most `probe_interval` decisions, the
-    time prices are left to drift) it would come out the same. On a CPU, whose forward runs
-    as it is launched, the decision's host time is otherwise paid on every plain step.
-
-    Prices go stale too: a width the policy does not run keeps the price it was last seen
-    at, and a price too high is never seen to be. So every `explore_interval` decisions,
-    while every request drafts and no prompt waits, a uniform K one below or one above the
-    choice's longest (in turn) runs instead, if it is priced within `explore_margin` of it:
-    the widths beside the choice are where a stale price would change it. It runs for one
-    step; hysteresis then compares against the decision, not the width explored. At 70
-    clients and a = 0.6, goodput ran K = 2 at its true price while K = 1's steps, which it
-    must have priced at 8.8 ms or more, took 7.8 and made 8% more tokens a second (runs 50
-    and 52, both passes). Exploring, it runs K = 1 for most rows there (runs 58-60).
+    Drafts' own time is priced `draft_premium` above the cost model's figure, and at least
+    the model's recent error on a decode step: drafting costs more than its steps show and
+    the estimates are noisy, so a near tie goes to K = 0, whose price is exact. `hysteresis`
+    keeps the previous decision unless a new one is clearly better, never a draft that K = 0
+    now beats, so that noise does not move K. A request at K = 0 drafts one token now and
+    then (a probe) so that its estimate does not stay where it was left. A K = 0 decision
+    stands while its inputs do, so that plain steps do not pay the decision's host time. Now
+    and then a width beside the choice runs for a step (exploration), since a width not run
+    keeps a stale price and a price too high is never seen to be.
     """
 
     name = "goodput"
@@ -223,172 +188,111 @@ class Goodput:
         self.num_decisions += 1
         if self.num_decisions % 64 == 0:
             self.acceptance.release_finished()
-        b = len(requests)
         rows = self.acceptance.rows(requests)
         self.acceptance.age[rows] += 1
-        room = max(self.token_budget - b, 0)
+        room = max(self.token_budget - len(requests), 0)
         demand = min(self.demand(room), room) if self.demand else 0
-        if self.plain is not None:
-            # The last K = 0 decision stands while its inputs do (see the class docstring).
-            same, same_limits, until, log = self.plain
-            if not demand and self.num_decisions < until and same == requests and same_limits == limits:
-                self.steps_since_drafting += 1
-                self.num_reused += 1
-                return Choice([0] * b, Decision(dict.fromkeys(requests, 0), 0, {
-                    **log, "step": self.num_decisions, "waiting": num_waiting, "reused": True}))
-            self.plain = None
+        standing = self._standing_plain(requests, limits, demand, num_waiting)
+        if standing is not None:
+            return standing
         limit = np.asarray(limits, dtype=np.int64)
-        length, prompt, missed, most = np.array([(len(r.token_ids), r.num_prompt_tokens, r.num_computed - r.num_absorbed,
-                                                  r.params.max_tokens) for r in requests]).T
-        context = int(length.sum())
-        left = most - (length - prompt)  # tokens the request may still produce
-        backlog = np.maximum(missed - self.acceptance.max_draft_len - 1, 0)  # past what a verify step leaves
-        cap = self._draft_cap(b)
-        gain = np.cumprod(self.acceptance.estimates(rows)[:, :limit.max()], axis=1)
-        gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
-
-        ks, rate, plain_rate, best_drafting, held, explored = np.zeros(b, dtype=np.int64), 0.0, 0.0, None, False, False
-        decided = ks
-        plain_step = float(self.cost.step_time(b, 0, 0, 0, context))  # the decodes' plain step
-        if cap > 0 and limit.max() > 0:
-            # What each request brings to the step if it drafts: itself, its catch-up, and the
-            # share of that charged now, for its own token here and `per_token` for each draft's.
-            if demand < room:
-                per_token = backlog / np.maximum(left, 1)
-                charged = per_token
-            else:  # the batch is still growing: in full
-                per_token, charged = np.zeros(b), backlog
-            brings = np.stack([np.ones(b), backlog, charged], axis=1)
-
-            def priced(n, longest, drafting, prompt=0):
-                """A candidate's seconds in parts: its step, shared with up to `prompt` tokens of
-                prefill; the tax on its drafts; the prompt tokens its drafts push to a later step
-                (they cost as much there); and the share of its catch-up charged now."""
-                count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
-                shared = np.minimum(np.maximum(room - n, 0), prompt)
-                step = self.cost.step_time(b, n, longest, count, context, shared)
-                # The drafts' own time (none where online corrections left a wider cell cheaper),
-                # taxed by `draft_premium`, and at least by what the cost model misses of a plain
-                # step: a draft must win by more than the prices' own error.
-                plain = self.cost.step_time(b, 0, 0, 0, context, shared) if prompt else plain_step
-                drafts = np.maximum(step - plain, 0.0)
-                tax = np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * plain_step), 0.0)
-                return (step, tax, self.cost.token_cost() * (prompt - shared),
-                        self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
-
-            def seconds(*shape):
-                return sum(priced(*shape))
-
-            tokens, n, longest, drafting, ks_of = self._candidates(gain, limit, brings, per_token, cap)
-            alone = seconds(n, longest, drafting)
-            rates = tokens / alone
-            best = float(rates.max())  # tokens per second of the best step without prefill
-            plain_rate = float(rates[0])  # K = 0 for everyone
-            if self.log and len(rates) > 1:  # the best that drafts, in parts (to explain a K = 0)
-                d = 1 + int(np.argmax(rates[1:]))
-                step, tax, _, charge = (float(x) for x in priced(n[d], longest[d], drafting[d]))
-                best_drafting = {"tokens_per_s": float(rates[d]), "k": ks_of(d).tolist(), "tokens": float(tokens[d]),
-                                 "step_s": step, "tax_s": tax, "catch_up_s": charge, "plain_s": float(plain_step),
-                                 "acceptance_1": float(gain[limit > 0, 0].mean())}
-
-            def score(tokens, shape, alone):
-                """Tokens beyond what the best rate would buy in the candidate's seconds with the
-                prefill (Dinkelbach): without prefill the best rate scores 0 and wins; with it, a
-                draft pays where it buys tokens cheaper than that rate."""
-                return tokens - best * (seconds(*shape, demand) if demand else alone)
-
-            scores = score(tokens, (n, longest, drafting), alone)
-            j = int(np.argmax(scores))
-            ks, rate = ks_of(j), float(rates[j])
-            previous = np.minimum([self.previous.get(r, k) for r, k in zip(requests, ks.tolist())], limit)
-            if not np.array_equal(previous, ks) and previous.sum() <= cap:
-                tokens, *shape = self._shape(gain, brings, per_token, previous)
-                alone = float(seconds(*shape))
-                held_score = score(tokens, shape, alone)
-                # Kept if within `hysteresis` of the best, but never a draft priced below K = 0:
-                # a move to the plain step, whose price is exact, is never held back.
-                if held_score + self.hysteresis * best * alone >= scores[j] and \
-                        (not previous.any() or held_score > scores[0]):
-                    ks, rate, held = previous, tokens / alone, True
-            decided = ks
-            if (self.explore_interval and self.num_decisions % self.explore_interval == 0 and not demand
-                    and ks.any() and np.array_equal(ks > 0, limit > 0)):
-                # The uniform candidates come last, K = 1 .. width; the neighbours of the
-                # choice's longest K take turns.
-                longest, width = int(ks.max()), gain.shape[1]
-                turn = (self.num_decisions // self.explore_interval) % 2
-                for w in (longest - 1, longest + 1) if turn else (longest + 1, longest - 1):
-                    j = len(rates) - width + w - 1
-                    if 1 <= w <= width and rates[j] >= (1 - self.explore_margin) * rate:
-                        ks, rate, held, explored = ks_of(j), float(rates[j]), False, True
-                        break
-        # What hysteresis holds on to is the decision, not a width run for its price: an
-        # explored width stays only if its price, once seen, makes it the decision.
-        self.previous = dict(zip(requests, decided.tolist()))
-
-        def worth(ks):
-            """For each row of ks (K per request): seconds of the step, catch-up in full and
-            taxed by the prices' error as drafts are, and its expected tokens."""
-            n = ks.sum(axis=1)
-            seconds = self.cost.step_time(b, n, ks.max(axis=1), np.count_nonzero(ks, axis=1), context,
-                                          np.minimum(np.maximum(room - n, 0), demand), (ks > 0) @ backlog)
-            drafted = np.arange(gain.shape[1]) < ks[:, :, None]
-            return seconds + np.where(n > 0, self.cost.error * plain_step, 0.0), b + (gain * drafted).sum(axis=(1, 2))
-
+        prices = _Prices(self, requests, rows, limit, room, demand)
+        cap = self._draft_cap(len(requests))
+        pick = self._pick(prices, requests, limit, cap)
+        self.previous = dict(zip(requests, pick.decided.tolist()))
         # No probes while prompts wait for the budget: the batch is still growing, and what
         # a probe would learn is worth most once the load has settled.
-        ks, probes, wait = self._probe(ks, limit, rows, cap, worth) if not demand else (ks, [], 1)
-        catch_up = int(backlog[ks > 0].sum())
+        ks, probes, wait = self._probe(pick.ks, limit, rows, cap, prices.worth) if not demand else (pick.ks, [], 1)
+        catch_up = int(prices.backlog[ks > 0].sum())
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
-        self.num_held += held
-        self.num_explored += explored
+        self.num_held += pick.held
+        self.num_explored += pick.explored
         self.num_probes += len(probes)
-        log = {"step": self.num_decisions, "batch": b, "waiting": num_waiting, "k": ks.tolist(), "probes": probes,
-               "held": held, "explored": explored, "tokens_per_s": rate, "plain_tokens_per_s": plain_rate,
-               "best_drafting": best_drafting, "catch_up": catch_up,
+        log = {"step": self.num_decisions, "batch": len(requests), "waiting": num_waiting, "k": ks.tolist(),
+               "probes": probes, "held": pick.held, "explored": pick.explored, "tokens_per_s": pick.rate,
+               "plain_tokens_per_s": pick.plain_rate, "best_drafting": pick.best_drafting, "catch_up": catch_up,
                "catch_up_scale": float(self.cost.catch_up_scale[0])}
         if not ks.any() and not demand:
             self.plain = (list(requests), list(limits), self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
 
-    @staticmethod
-    def _candidates(gain, limit, brings, per_token, cap):
-        """Both families of candidates: their expected tokens, their step's shape (drafts, the
-        longest, what the drafting requests bring, `per_token` of their catch-up charged per
-        expected token on top) and ks_of(j), the K per request of the j-th."""
-        b, width = gain.shape
-        # The n likeliest drafts: order by gain, position-major so that a tie keeps a
-        # request's earlier position first (each request's drafts stay a prefix).
-        flat = gain.T.ravel()
-        order = np.argsort(-flat, kind="stable")[:min(cap, np.count_nonzero(flat))]
-        pos, row = order // b, order % b
-        tokens = b + np.concatenate([[0.0], np.cumsum(flat[order])])
-        longest = np.concatenate([[0], np.maximum.accumulate(pos + 1)])
-        each = np.where((pos == 0)[:, None], brings[row], 0.0)
-        each[:, 2] += per_token[row] * flat[order]
-        drafting = np.concatenate([np.zeros((1, brings.shape[1])), np.cumsum(each, axis=0)])
-        # The same K = w for every request that may draft it.
-        w = np.arange(1, width + 1)
-        uniform = np.minimum(limit[:, None], w)
-        total = uniform.sum(axis=0)
-        made = np.cumsum(gain, axis=1)  # expected tokens beyond the first at K = 1 .. width
-        alike = np.where(total <= cap, b + made.sum(axis=0), -np.inf)
-        bring = np.tile(brings[limit > 0].sum(axis=0), (width, 1))
-        bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
+    def _standing_plain(self, requests, limits, demand, num_waiting) -> Choice | None:
+        """The last K = 0 decision again while what it was made from stays (the same requests
+        and limits, no prompt waiting) and no probe could be due: the estimates move only when
+        requests draft, so it would come out the same, and a CPU pays the decision's host time
+        on every plain step. None, forgetting it, once anything has changed."""
+        if self.plain is None:
+            return None
+        same, same_limits, until, log = self.plain
+        if not demand and self.num_decisions < until and same == requests and same_limits == limits:
+            self.steps_since_drafting += 1
+            self.num_reused += 1
+            return Choice([0] * len(requests), Decision(dict.fromkeys(requests, 0), 0, {
+                **log, "step": self.num_decisions, "waiting": num_waiting, "reused": True}))
+        self.plain = None
+        return None
 
-        def ks_of(j):
-            return np.bincount(row[:j], minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
+    def _pick(self, prices: _Prices, requests, limit, cap) -> _Pick:
+        """The candidate that scores best, or the previous decision where it is nearly as
+        good; now and then a width beside it instead, run for its price."""
+        if not (cap > 0 and limit.max() > 0):
+            none = np.zeros(len(requests), dtype=np.int64)
+            return _Pick(none, none)
+        tokens, shapes, ks_of = prices.candidates(limit, cap)
+        alone = prices.seconds(*shapes)
+        rates = tokens / alone
+        best = float(rates.max())  # tokens per second of the best step without prefill
+        plain_rate = float(rates[0])  # K = 0 for everyone
+        best_drafting = None
+        if self.log and len(rates) > 1:  # the best that drafts, in parts (to explain a K = 0)
+            best_drafting = prices.best_drafting(tokens, shapes, rates, ks_of, limit)
+        scores = prices.score(tokens, shapes, alone, best)
+        j = int(np.argmax(scores))
+        ks, rate, held = ks_of(j), float(rates[j]), False
+        kept = self._held(prices, requests, limit, cap, ks, best, scores[j], scores[0])
+        if kept is not None:
+            (ks, rate), held = kept, True
+        explore = self._width_to_explore(prices, limit, ks, rate, rates)
+        if explore is None:
+            return _Pick(ks, ks, rate, plain_rate, best_drafting, held)
+        # What hysteresis holds on to is the decision, not a width run for its price: an
+        # explored width stays only if its price, once seen, makes it the decision.
+        return _Pick(ks_of(explore), ks, float(rates[explore]), plain_rate, best_drafting, held=False, explored=True)
 
-        return (np.concatenate([tokens, alike]), np.concatenate([np.arange(len(order) + 1), total]),
-                np.concatenate([longest, w]), np.concatenate([drafting, bring]), ks_of)
+    def _held(self, prices: _Prices, requests, limit, cap, ks, best, score, plain_score):
+        """The previous decision (within this step's limits) and its rate, where its score is
+        within `hysteresis` of `score`, the best one's, so that noise in the estimates does
+        not move K; else None. Never a draft that scores below K = 0 (`plain_score`): a move
+        to the plain step, whose price is exact, is never held back, and a spell of
+        rejections ends drafting at once."""
+        previous = np.minimum([self.previous.get(r, k) for r, k in zip(requests, ks.tolist())], limit)
+        if np.array_equal(previous, ks) or previous.sum() > cap:
+            return None
+        tokens, *shape = prices.shape(previous)
+        alone = float(prices.seconds(*shape))
+        held_score = prices.score(tokens, shape, alone, best)
+        if held_score + self.hysteresis * best * alone >= score and (not previous.any() or held_score > plain_score):
+            return previous, tokens / alone
+        return None
 
-    @staticmethod
-    def _shape(gain, brings, per_token, ks):
-        """Expected tokens and step shape of one K per request."""
-        made = (gain * (np.arange(gain.shape[1]) < ks[:, None])).sum(axis=1)
-        bring = brings[ks > 0].sum(axis=0)
-        bring[2] += per_token[ks > 0] @ made[ks > 0]
-        return float(len(ks) + made.sum()), int(ks.sum()), int(ks.max()), bring
+    def _width_to_explore(self, prices: _Prices, limit, ks, rate, rates):
+        """The candidate to run instead of `ks` for a step, every `explore_interval` decisions
+        while every request drafts and no prompt waits: a uniform K one below or one above
+        `ks`'s longest (in turn), if priced within `explore_margin` of `rate`. A width not run
+        keeps the price it was last seen at, and the widths beside the choice are where a
+        stale price would change it. None where none is due or near enough."""
+        if not (self.explore_interval and self.num_decisions % self.explore_interval == 0 and not prices.demand
+                and ks.any() and np.array_equal(ks > 0, limit > 0)):
+            return None
+        # The uniform candidates come last, K = 1 .. width; the neighbours of the
+        # choice's longest K take turns.
+        longest, width = int(ks.max()), prices.gain.shape[1]
+        turn = (self.num_decisions // self.explore_interval) % 2
+        for w in (longest - 1, longest + 1) if turn else (longest + 1, longest - 1):
+            j = len(rates) - width + w - 1
+            if 1 <= w <= width and rates[j] >= (1 - self.explore_margin) * rate:
+                return j
+        return None
 
     def _draft_cap(self, b: int) -> int:
         """Drafts that fit the step's token budget and the free KV slots."""
@@ -475,6 +379,127 @@ class Goodput:
             "acceptance_per_position": self.acceptance.server().tolist(),
         }
 
+
+@dataclass
+class _Pick:
+    """What a goodput decision picked before probes, and how (for its log line)."""
+
+    ks: np.ndarray
+    decided: np.ndarray  # what hysteresis holds on to: ks, unless ks is a width explored
+    rate: float = 0.0  # expected tokens per second of ks
+    plain_rate: float = 0.0  # of K = 0 for everyone
+    best_drafting: dict | None = None
+    held: bool = False
+    explored: bool = False
+
+
+class _Prices:
+    """One goodput decision's prices: every candidate is priced against the same step (the
+    decodes' context, the budget their drafts share with prompt tokens, the plain step's
+    price) and the same acceptance estimates, so they are worked out once."""
+
+    def __init__(self, policy: Goodput, requests, rows, limit, room: int, demand: int):
+        self.cost, self.draft_premium = policy.cost, policy.draft_premium
+        self.b, self.room, self.demand = len(requests), room, demand
+        length, prompt, missed, most = np.array([(len(r.token_ids), r.num_prompt_tokens, r.num_computed - r.num_absorbed,
+                                                  r.params.max_tokens) for r in requests]).T
+        self.context = int(length.sum())
+        left = most - (length - prompt)  # tokens the request may still produce
+        self.backlog = np.maximum(missed - policy.acceptance.max_draft_len - 1, 0)  # past what a verify step leaves
+        self.gain = np.cumprod(policy.acceptance.estimates(rows)[:, :limit.max()], axis=1)
+        self.gain[np.arange(self.gain.shape[1]) >= limit[:, None]] = 0.0
+        self.plain_step = float(self.cost.step_time(self.b, 0, 0, 0, self.context))  # the decodes' plain step
+        # What each request brings to the step if it drafts: itself, its catch-up, and the
+        # share of that charged now, for its own token here and `per_token` for each draft's.
+        if demand < room:
+            self.per_token = self.backlog / np.maximum(left, 1)
+            charged = self.per_token
+        else:  # the batch is still growing: in full
+            self.per_token, charged = np.zeros(self.b), self.backlog
+        self.brings = np.stack([np.ones(self.b), self.backlog, charged], axis=1)
+
+    def candidates(self, limit, cap):
+        """Both families of candidates: their expected tokens, their step's shape (drafts, the
+        longest, what the drafting requests bring, `per_token` of their catch-up charged per
+        expected token on top) and ks_of(j), the K per request of the j-th."""
+        gain, brings, per_token = self.gain, self.brings, self.per_token
+        b, width = gain.shape
+        # The n likeliest drafts: order by gain, position-major so that a tie keeps a
+        # request's earlier position first (each request's drafts stay a prefix).
+        flat = gain.T.ravel()
+        order = np.argsort(-flat, kind="stable")[:min(cap, np.count_nonzero(flat))]
+        pos, row = order // b, order % b
+        tokens = b + np.concatenate([[0.0], np.cumsum(flat[order])])
+        longest = np.concatenate([[0], np.maximum.accumulate(pos + 1)])
+        each = np.where((pos == 0)[:, None], brings[row], 0.0)
+        each[:, 2] += per_token[row] * flat[order]
+        drafting = np.concatenate([np.zeros((1, brings.shape[1])), np.cumsum(each, axis=0)])
+        # The same K = w for every request that may draft it.
+        w = np.arange(1, width + 1)
+        uniform = np.minimum(limit[:, None], w)
+        total = uniform.sum(axis=0)
+        made = np.cumsum(gain, axis=1)  # expected tokens beyond the first at K = 1 .. width
+        alike = np.where(total <= cap, b + made.sum(axis=0), -np.inf)
+        bring = np.tile(brings[limit > 0].sum(axis=0), (width, 1))
+        bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
+
+        def ks_of(j):
+            return np.bincount(row[:j], minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
+
+        shapes = (np.concatenate([np.arange(len(order) + 1), total]), np.concatenate([longest, w]),
+                  np.concatenate([drafting, bring]))
+        return np.concatenate([tokens, alike]), shapes, ks_of
+
+    def shape(self, ks):
+        """Expected tokens and step shape of one K per request."""
+        made = (self.gain * (np.arange(self.gain.shape[1]) < ks[:, None])).sum(axis=1)
+        bring = self.brings[ks > 0].sum(axis=0)
+        bring[2] += self.per_token[ks > 0] @ made[ks > 0]
+        return float(len(ks) + made.sum()), int(ks.sum()), int(ks.max()), bring
+
+    def parts(self, n, longest, drafting, prompt=0):
+        """A candidate's seconds in parts: its step, shared with up to `prompt` tokens of
+        prefill; the tax on its drafts; the prompt tokens its drafts push to a later step
+        (they cost as much there); and the share of its catch-up charged now."""
+        count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
+        shared = np.minimum(np.maximum(self.room - n, 0), prompt)
+        step = self.cost.step_time(self.b, n, longest, count, self.context, shared)
+        # The drafts' own time (none where online corrections left a wider cell cheaper),
+        # taxed by `draft_premium`, and at least by what the cost model misses of a plain
+        # step: a draft must win by more than the prices' own error.
+        plain = self.cost.step_time(self.b, 0, 0, 0, self.context, shared) if prompt else self.plain_step
+        drafts = np.maximum(step - plain, 0.0)
+        tax = np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * self.plain_step), 0.0)
+        return (step, tax, self.cost.token_cost() * (prompt - shared),
+                self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
+
+    def seconds(self, n, longest, drafting, prompt=0):
+        return sum(self.parts(n, longest, drafting, prompt))
+
+    def score(self, tokens, shape, alone, best):
+        """Tokens beyond what the `best` rate would buy in the candidate's seconds with the
+        prefill (Dinkelbach): without prefill the best rate scores 0 and wins; with it, a
+        draft pays where it buys tokens cheaper than that rate."""
+        return tokens - best * (self.seconds(*shape, self.demand) if self.demand else alone)
+
+    def best_drafting(self, tokens, shapes, rates, ks_of, limit) -> dict:
+        """The best candidate that drafts, priced in parts: for the log, to explain a K = 0."""
+        d = 1 + int(np.argmax(rates[1:]))
+        n, longest, drafting = shapes
+        step, tax, _, charge = (float(x) for x in self.parts(n[d], longest[d], drafting[d]))
+        return {"tokens_per_s": float(rates[d]), "k": ks_of(d).tolist(), "tokens": float(tokens[d]),
+                "step_s": step, "tax_s": tax, "catch_up_s": charge, "plain_s": float(self.plain_step),
+                "acceptance_1": float(self.gain[limit > 0, 0].mean())}
+
+    def worth(self, ks):
+        """For each row of ks (K per request): seconds of the step, catch-up in full and
+        taxed by the prices' error as drafts are, and its expected tokens."""
+        n = ks.sum(axis=1)
+        seconds = self.cost.step_time(self.b, n, ks.max(axis=1), np.count_nonzero(ks, axis=1), self.context,
+                                      np.minimum(np.maximum(self.room - n, 0), self.demand), (ks > 0) @ self.backlog)
+        drafted = np.arange(self.gain.shape[1]) < ks[:, :, None]
+        return (seconds + np.where(n > 0, self.cost.error * self.plain_step, 0.0),
+                self.b + (self.gain * drafted).sum(axis=(1, 2)))
 
 
 def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int = 256,
