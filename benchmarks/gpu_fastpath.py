@@ -255,9 +255,8 @@ def sampling_filters(device, results):
 def scheduler_overhead(llm, prompts, new_tokens):
     """Python time in schedule + commit (host bookkeeping) vs whole step, at full batch."""
     engine, scheduler = llm.engine, llm.engine.core.scheduler
-    # With async scheduling a step plans the next one (schedule_ahead) and commits itself.
-    with timing(("schedule", scheduler, "schedule"), ("schedule", scheduler, "schedule_ahead"),
-                ("commit", scheduler, "commit"), ("step", engine, "step")) as calls:
+    # With async scheduling a step plans the next one and commits itself.
+    with timing(("schedule", scheduler, "schedule"), ("commit", scheduler, "commit"), ("step", engine, "step")) as calls:
         llm.generate(prompts, greedy(new_tokens), use_tqdm=False)
     # Decode steps only: skip the first steps (prefill) and the tail.
     steps = list(zip(calls["schedule"], calls["commit"], calls["step"]))[4:-4]
@@ -273,12 +272,12 @@ def phase_timing(engine):
     choice and learning, committing, and waiting for the step's tokens (the device's share
     of the step, less what ran behind the host's work)."""
     targets = [("step", engine.core, "step"), ("launch", engine.core.runner, "launch"),
-               ("choose", engine.core.scheduler, "_draft_lens"), ("observe", engine.core, "_observe_last"),
+               ("choose", engine.core.scheduler, "_choose"), ("observe", engine.core, "_observe_last"),
                ("commit", engine.core.scheduler, "commit"), ("wait", PendingStep, "result")]
     graph_sets = [engine.core.runner.graphs]
-    if engine.core.proposer is not None:
-        targets.append(("propose", engine.core.proposer, "propose"))
-        proposer = engine.core.proposer  # each set's [0] loads them all
+    if engine.core.speculation is not None:
+        proposer = engine.core.speculation.proposer  # each set's [0] loads them all
+        targets.append(("propose", proposer, "propose"))
         graph_sets += [*proposer.catch_up_graphs.values(), *(c[0] for c in proposer.draft_graphs.values() if c)]
     return timing(*targets, *(("graph inputs", graphs, "load") for graphs in graph_sets if graphs is not None))
 

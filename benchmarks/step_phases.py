@@ -83,8 +83,7 @@ class Trace:
         core = self.core
         sched = core.scheduler
         self.patch(sched.policy, "observe", self.timed("observe", sched.policy.observe))
-        for name in ("schedule", "schedule_ahead", "choose_ahead"):
-            self.patch(sched, name, self.timed("plan", getattr(sched, name)))
+        self.patch(sched, "schedule", self.timed("plan", sched.schedule))
         self.patch(sched.policy, "choose", self.timed("choose", sched.policy.choose))
         self.patch(sched, "commit", self.timed("commit", sched.commit))
         launch = core._launch
@@ -102,13 +101,13 @@ class Trace:
             return step
         self.patch(core, "_launch", traced_launch)
         self.patch(core.runner, "launch", self.timed("launch_forward", core.runner.launch))
-        if core.proposer is not None:
-            proposer = core.proposer
+        if core.speculation is not None:
+            proposer = core.speculation.proposer
             self.patch(proposer, "propose", self.timed("propose", proposer.propose))
             absorb = proposer._absorb
 
             def traced_absorb(reqs, starts, ends):
-                tail = proposer.feed_width(core.config.speculative_config.num_speculative_tokens)
+                tail = proposer.feed_width(core.runner.max_draft_len)
                 self.counts["absorbed_rows"] += sum(e - s > tail for s, e in zip(starts, ends))
                 return self.timed("absorb", absorb)(reqs, starts, ends)
             self.patch(proposer, "_absorb", traced_absorb)

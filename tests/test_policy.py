@@ -797,7 +797,7 @@ def test_k_follows_the_load(models):
     for concurrency in (1, 32):
         llm = LLM(model=models["target"], page_size=4,
                   speculative_config=spec(models, "ngram", cost_model="online", simulate_acceptance=0.8))
-        llm.engine.core.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+        llm.engine.core.speculation.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
         inject(llm, roofline(16, 4))
         params = SamplingParams(temperature=0, max_tokens=48 if concurrency == 1 else 16, ignore_eos=True)
         _, stats = generate(llm, [[5, 6, 7, 8]] * concurrency, params)

@@ -63,7 +63,7 @@ def failing_core(config):
 def always_drafting_core(config):
     """An n-gram proposer that always proposes, so that every decode step drafts."""
     core = EngineCore(config)
-    core.proposer.lookup = lambda tokens, n: [3] * n
+    core.speculation.proposer.lookup = lambda tokens, n: [3] * n
     return core
 
 

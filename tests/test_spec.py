@@ -132,7 +132,7 @@ def test_greedy_lossless_when_drafts_share_a_step_with_a_prompt_chunk(models, pl
     llm = LLM(model=models["target"], page_size=4, max_num_batched_tokens=10,
               speculative_config=spec_config(models, method, 3))
     if method == "ngram":
-        llm.engine.core.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+        llm.engine.core.speculation.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
     launch, shared = llm.engine.core.runner.launch, []
 
     def recording(plan, drafts=None, *args, **kwargs):
@@ -205,7 +205,7 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     assert outputs[True] == outputs[False] == [probe[0][:9], probe[1][:13], probe[2]]
 
     seen = {"verify": [], "draft": [], "true": []}
-    proposer = llm.engine.core.proposer
+    proposer = llm.engine.core.speculation.proposer
     propose, pick, commit = proposer.propose, proposer._pick, llm.engine.core.scheduler.commit
 
     def verify(logits, tokens, ks, st, counters):
@@ -256,7 +256,7 @@ def test_a_drafter_equal_to_the_target_has_every_sampled_draft_accepted(models):
 def test_proposer_not_called_when_every_k_is_zero(models, plain, monkeypatch):
     llm = LLM(model=models["target"], page_size=4,
               speculative_config=spec_config(models, "draft_model", 4, policy="off"))
-    monkeypatch.setattr(llm.engine.core.proposer, "propose", lambda *a: pytest.fail("proposer called at K = 0"))
+    monkeypatch.setattr(llm.engine.core.speculation.proposer, "propose", lambda *a: pytest.fail("proposer called at K = 0"))
     got, _ = run(llm, repetitive_prompts(), greedy())
     assert got == plain
     assert llm.engine.stats()["spec"]["num_drafted"] == 0
@@ -287,7 +287,7 @@ def test_a_catch_up_larger_than_a_forward_is_split_and_drafts_the_same(models, p
     drafts, sizes = {}, {}
     for absorb in (1 << 20, 8):
         llm = LLM(model=models["target"], page_size=4, speculative_config=spec_config(models, method, 3))
-        proposer = llm.engine.core.proposer
+        proposer = llm.engine.core.speculation.proposer
         proposer.absorb_tokens = absorb
         forward, propose = proposer.forward, proposer.propose
         sizes[absorb], drafts[absorb] = [], []
@@ -334,7 +334,7 @@ def test_simulated_acceptance(models):
     a, k = 0.7, 4
     llm = LLM(model=models["target"], page_size=4,
               speculative_config=spec_config(models, "ngram", k, simulate_acceptance=a))
-    llm.engine.core.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
+    llm.engine.core.speculation.proposer.lookup = lambda tokens, n: [3] * n  # always propose something
     run(llm, repetitive_prompts() * 4, greedy(64))
     spec = llm.engine.stats()["spec"]
     # Accepted drafts per step: geometric, truncated at K (steps near max_tokens draft fewer).

@@ -94,7 +94,7 @@ def run_largest_steps(runner, proposer) -> None:
         b = verify_rows(config)
         runner.launch(dummy_plan(b, ps, 0, runner.num_pages, ps, SAMPLED)).result()
         return
-    k = config.speculative_config.num_speculative_tokens
+    k = runner.max_draft_len
     plan = dummy_plan(verify_rows(config), ps, k, runner.num_pages, ps, SAMPLED)
     first = plan.requests[0]  # one row that missed a budget's worth (it takes the pages after the others')
     first.token_ids = [0] * (budget + k + 3)
@@ -185,9 +185,8 @@ def cost_key(runner, proposer) -> dict:
             "method": config.speculative_config.method, "dtype": str(runner.dtype),
             "graphs": runner.graphs is not None, "attention": type(runner.attn).__name__,
             "page_size": runner.page_size, "max_num_seqs": config.max_num_seqs,
-            "long_context": long_context(runner, config.max_num_seqs, config.speculative_config.num_speculative_tokens,
-                                         runner.max_model_len), "max_num_batched_tokens": config.max_num_batched_tokens,
-            "k": config.speculative_config.num_speculative_tokens,
+            "long_context": long_context(runner, config.max_num_seqs, runner.max_draft_len, runner.max_model_len),
+            "max_num_batched_tokens": config.max_num_batched_tokens, "k": runner.max_draft_len,
             "seconds": config.speculative_config.profile_seconds}
 
 

@@ -8,6 +8,7 @@ for their last K_i + 1 positions; those are sampled (K = 0 everywhere) or verifi
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -32,9 +33,10 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, max_draft_len: int = 0):
         self.config = config
         self.max_model_len = max_model_len
+        self.max_draft_len = max_draft_len  # the most drafts a row verifies (the speculation's K limit)
         self.model_config = model_config
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -103,10 +105,9 @@ class ModelRunner:
         with prompt tokens (cuda, unless enforce_eager)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        spec = self.config.speculative_config
         self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch, self.kv_caches),
                                  self.page_size, self.max_model_len, self.config.max_num_seqs,
-                                 1 + (spec.num_speculative_tokens if spec else 0), self.device)
+                                 1 + self.max_draft_len, self.device)
         self.graphs.capture()
         self.pieces = PiecewiseGraphs(self.model, self.attn, self.kv_caches, self.config.max_num_batched_tokens,
                                       self.page_size, self.device)
@@ -141,9 +142,7 @@ class ModelRunner:
 
         for batch in self.warmup_batches(self.config.max_num_batched_tokens):
             self.model(batch.input_ids, batch, self.kv_caches)
-        spec = self.config.speculative_config
-        fused.build_sampling_variants(self.model_config.vocab_size, 1 + (spec.num_speculative_tokens if spec else 0),
-                                      self.device)
+        fused.build_sampling_variants(self.model_config.vocab_size, 1 + self.max_draft_len, self.device)
         batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], self.page_size, self.device)
         batch.move_back(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
         batch.advance(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
@@ -269,6 +268,8 @@ class PendingStep:
         self.done: torch.cuda.Event | None = None  # recorded after the step's last work on the device
         self.started = 0.0          # when the engine began it (proposing included)
         self.catch_up: Span | None = None  # its drafter's catch-up, where there was one (`Drafts.catch_up`)
+        self.ready = 0.0            # when its tokens came back
+        self.observation: tuple | None = None  # what the policy learns from it, until it has (`record_result`)
 
     def copy_to_host(self, out: torch.Tensor) -> None:
         """The step's one device-to-host copy: tokens (and, when verifying, accepted lengths)."""
@@ -278,7 +279,19 @@ class PendingStep:
         else:
             self.host = out
 
-    def seconds_after(self, before: "PendingStep") -> float | None:
+    def record_result(self, result: StepResult, before: PendingStep | None) -> None:
+        """Note what the policy is to learn from this step: its result, and what it added to
+        the time line: on the device from the end of `before`, the step before it (so that a
+        step launched late, after a prompt step's longer host work, pays for it, not the
+        step it was launched behind); else the wall time since `before`'s tokens came back,
+        or, with no step before (after an idle spell), since this one began."""
+        self.ready = time.perf_counter()
+        seconds = self.seconds_after(before) if before is not None else None
+        if seconds is None:
+            seconds = self.ready - (before.ready if before is not None else self.started)
+        self.observation = (self.plan, result, seconds, self.catch_up and self.catch_up.seconds)
+
+    def seconds_after(self, before: PendingStep) -> float | None:
         """Seconds from the end of `before` on the device to the end of this step: what
         this step added to the device's time line, a launch that came late included (and
         not the launch of a step queued behind it, which a host clock would count). None

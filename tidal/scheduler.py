@@ -13,8 +13,10 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+from tidal.config import EngineConfig
 from tidal.kv_cache import PagePool
 from tidal.request import Request, SpecStats, Status
+from tidal.speculative import Speculation
 from tidal.speculative.policy import Off, SpecPolicy
 from tidal.step import StepPlan, StepResult
 
@@ -24,21 +26,23 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: SpecPolicy | None = None, max_draft_len: int = 0):
+    def __init__(self, pool: PagePool, config: EngineConfig, max_model_len: int,
+                 speculation: Speculation | None = None):
         self.pool = pool
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.policy = policy or Off()
-        self.max_draft_len = max_draft_len
+        self.plans_ahead = config.async_scheduling  # plan a step while the one before runs
+        self.max_draft_len = speculation.max_draft_len if speculation else 0
+        self.drafts_ahead = speculation is None or speculation.proposer.drafts_ahead
+        self.policy: SpecPolicy = speculation.make_policy(pool, self.prefill_demand, config) if speculation else Off()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.spec = SpecStats()       # server-wide acceptance statistics
-        self.draft_len_counts = [0] * (max_draft_len + 1)  # decoding rows per chosen K
-        self.ahead: tuple[dict[str, int], object] | None = None  # draft lengths (and note) chosen while the last step ran
+        self.draft_len_counts = [0] * (self.max_draft_len + 1)  # decoding rows per chosen K
+        self.chosen: tuple[dict[str, int], object] | None = None  # K (and note) chosen while the last step ran
         self.num_preemptions = 0
-        self.feeding: dict[Request, int] = {}  # tokens the step in flight feeds, while choosing ahead of it
+        self.feeding: dict[Request, int] = {}  # prompt tokens the step in flight feeds, while choosing after it
 
     # -- admission -----------------------------------------------------------------------
 
@@ -61,23 +65,36 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan([], [], [])
-        budget = self.max_num_batched_tokens
-        ps = self.pool.page_size
+    def schedule(self, in_flight: StepPlan | None = None) -> StepPlan | None:
+        """The next step's plan. Running requests come first, in arrival order: each row's
+        own tokens (a decode, or its prompt's next chunk), preempting the most recently
+        arrived running request when pages run out; then waiting prompts that fit whole,
+        then the drafts the policy chose (within free pages only: a draft never preempts),
+        then a chunk of the next waiting prompt.
 
-        # Running requests: a decode needs 1 token (+ drafts), a prefill continues its chunk.
-        if self.ahead is not None:
-            (draft_lens, plan.choice), self.ahead = self.ahead, None
-        else:
-            decoding = [r for r in self.running if r.num_computed == r.num_tokens - 1]
-            draft_lens, plan.choice = self._draft_lens(decoding)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed, budget)
-            k = min(draft_lens.get(req.request_id, 0), budget - num_new)
-            need = pages_for(req.num_computed + num_new + k, ps) - len(req.pages)
+        With `in_flight`, a step still on the device, the plan is made while it runs (async
+        scheduling): each of its rows as if its tokens were in the request's state and every
+        draft accepted, so its pages cover the most the row can commit; the device moves the
+        row back by the drafts rejected (`Ahead`). Requests that surely end in that step, or
+        might run past `max_model_len`, are left out; one that ends otherwise has its row
+        computed and dropped at commit. Where the step's outcome could change the plan (it
+        has a row that does not sample, pages would have to be taken back, the first waiting
+        prompt would be chunked) there is no plan (None); the policy's K are chosen all the
+        same, while the device runs, and the plan made after the commit takes them."""
+        draft_lens, note = self._choose(in_flight)
+        rows = [(r, r.num_computed, r.num_tokens) for r in self.running] if in_flight is None else \
+            self._rows_ahead(in_flight, draft_lens)
+        if rows is None:
+            self.chosen = (draft_lens, note) if draft_lens else None  # (none chosen: the plan chooses)
+            return None
+        ps = self.pool.page_size
+        budget, ends = self.max_num_batched_tokens, []
+        plan = StepPlan([], [], [], note)
+        for req, start, known in rows:
+            if budget == 0 or req.status is not Status.RUNNING:  # (preempted for an earlier row)
+                break
+            num_new = min(known - start, budget)
+            need = pages_for(start + num_new, ps) - len(req.pages)
             while need > self.pool.num_free and self.running[-1] is not req:
                 self._preempt(self.running.pop())
             if need > self.pool.num_free:
@@ -87,18 +104,51 @@ class Scheduler:
             req.pages += self.pool.allocate(need) if need > 0 else []
             plan.requests.append(req)
             plan.num_new_tokens.append(num_new)
-            plan.draft_lens.append(k)
-            budget -= num_new + k
-            i += 1
-
-        self._admit(plan, budget)
+            plan.draft_lens.append(0)
+            ends.append(start + num_new)
+            budget -= num_new
+        room = budget - (self._whole_prompts(budget) or 0)
+        for i, (req, end) in enumerate(zip(plan.requests, ends)):
+            k = min(draft_lens.get(req.request_id, 0), room)
+            need = pages_for(end + k, ps) - len(req.pages) if k else 0
+            if k and need <= self.pool.num_free:
+                req.pages += self.pool.allocate(need) if need > 0 else []
+                plan.draft_lens[i] = k
+                room -= k
+                budget -= k
+        self._admit(plan, budget, whole=in_flight is not None)
         return plan
 
-    def _whole_prompts(self, budget: int, seats: int) -> int | None:
+    def _rows_ahead(self, in_flight: StepPlan, draft_lens: dict[str, int]) -> list[tuple[Request, int, int]] | None:
+        """The rows of a plan made while `in_flight` runs: (request, where its next token
+        goes, tokens it knows then), as if every draft there were accepted. None where that
+        step's outcome could change the plan, or the planner must not plan ahead of it
+        (async scheduling off; a proposer that drafts from tokens on the host)."""
+        if not (self.plans_ahead and in_flight.samples_every_row):
+            return None
+        if not self.drafts_ahead and (in_flight.max_draft_len or any(draft_lens.values())):
+            return None
+        rows = [(r, n, k) for r, n, k in zip(in_flight.requests, in_flight.num_new_tokens, in_flight.draft_lens)
+                if not r.finished]
+        if [r for r, _, _ in rows] != self.running:  # (requests compare by identity)
+            return None
+        rows = [(r, r.num_computed + n + k, r.num_tokens + 1 + k) for r, n, k in rows if self._goes_on(r, 1 + k)]
+        ps = self.pool.page_size
+        if (not rows or self._whole_prompts(self.max_num_batched_tokens - len(rows)) is None
+                or sum(max(pages_for(start + 1, ps) - len(r.pages), 0) for r, start, _ in rows) > self.pool.num_free):
+            return None
+        return rows
+
+    def _goes_on(self, req: Request, commits: int) -> bool:
+        """Whether `req` surely runs on after a step that commits up to `commits` tokens for
+        it (not at its max_tokens, nor possibly past max_model_len)."""
+        return req.num_output_tokens + 1 < req.params.max_tokens and req.num_tokens + commits < self.max_model_len
+
+    def _whole_prompts(self, budget: int) -> int | None:
         """Tokens of the waiting requests, first come first served, whose whole prompts fit in
-        `budget` and `seats`; None if the first that has a seat does not fit whole."""
+        `budget` and the free seats; None if the first that has a seat does not fit whole."""
         tokens = 0
-        for req in itertools.islice(self.waiting, max(seats, 0)):
+        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
             if tokens + req.num_tokens > budget:
                 return None if tokens == 0 else tokens
             tokens += req.num_tokens
@@ -132,100 +182,35 @@ class Scheduler:
             plan.draft_lens.append(0)
             budget -= num_new
 
-    def choose_ahead(self, plan: StepPlan) -> None:
-        """Let the policy choose the next step's draft lengths now, while `plan` runs on the
-        device, so that its host time hides behind the device's; schedule() then uses them.
-        Chosen for are the requests decoding now (less those this step surely ends) and any
-        decoding one the step left out; a prompt that ends in this step starts at K = 0 (its
-        state does not show yet what its drafter would have to absorb). Each row may commit
-        up to 1 + K_i tokens now: limits are taken as if it did, so the choice stays within them."""
-        if self.max_draft_len == 0:
-            return
-        in_plan = set(plan.requests)
-        commits = {r: 1 + k for i, (r, n, k) in enumerate(zip(plan.requests, plan.num_new_tokens, plan.draft_lens))
-                   if n == 1 and plan.samples(i)}
-        decoding = [r for r in self.running
-                    if (r in commits and r.num_output_tokens + 1 < r.params.max_tokens
-                        and r.num_tokens + 1 < self.max_model_len)
-                    or (r not in in_plan and r.num_computed == r.num_tokens - 1)]
-        if decoding:
-            self.ahead = self._draft_lens(decoding, [commits.get(r, 0) for r in decoding], plan)
-
-    def schedule_ahead(self, plan: StepPlan) -> StepPlan | None:
-        """The next step's plan, made while `plan` (every running request, each committing
-        1 to 1 + K_i tokens) is still on the device (async scheduling), or None where its
-        outcome could change the next plan: pages would have to be taken back, or the first
-        request waiting for a free seat does not fit whole (schedule() chunks it).
-
-        Each request is planned as if this step's tokens were in its state, every draft
-        accepted (its row's tokens computed, 1 + K_i more known): its pages cover that, and the
-        device moves it back by the drafts rejected (`Ahead`). Those that surely end in this
-        step (their length limits), or might run past `max_model_len`, are left out; one that
-        ends otherwise (EOS, a stop string, an abort, accepted tokens reaching max_tokens) has
-        its row computed and dropped at commit. Nothing is preempted, so no request loses
-        pages a step in flight writes to. Requests whose prompt ends in this step do not
-        draft yet (as in choose_ahead). Waiting requests whose whole prompt fits are admitted
-        after the running ones (as in schedule): a prompt's step need not wait, device idle,
-        for the host to plan it after the step before."""
-        rows = [(r, n, 1 + k) for r, n, k in zip(plan.requests, plan.num_new_tokens, plan.draft_lens)
-                if not r.finished]  # (request, tokens it feeds now, tokens it commits now at most)
-        if [r for r, _, _ in rows] != self.running:  # (requests compare by identity)
-            return None
-        # Those that go on after this step (the others surely end in it, or might run past max_model_len).
-        rows = [(r, n, c) for r, n, c in rows
-                if r.num_output_tokens + 1 < r.params.max_tokens and r.num_tokens + c < self.max_model_len]
-        if not rows:
-            return None
-        # Prompts waiting are admitted whole, before drafts take the budget; one that does
-        # not fit whole at the head of the queue is chunked by schedule(), after the commit.
-        reserved = self._whole_prompts(self.max_num_batched_tokens - len(rows), self.max_num_seqs - len(self.running))
-        if reserved is None:
-            return None
-        ps = self.pool.page_size
-        # Where each request's next token goes; pages each needs for it, and more for its drafts.
-        ends = [r.num_computed + n + c for r, n, c in rows]
-        needs = [max(pages_for(end, ps) - len(r.pages), 0) for (r, _, _), end in zip(rows, ends)]
-        spare = self.pool.num_free - sum(needs)
-        if spare < 0:
-            return None
-        reqs = [r for r, _, _ in rows]
-        for req, need in zip(reqs, needs):  # every row's next token first, then the drafts that fit
-            if need:
-                req.pages += self.pool.allocate(need)
-        budget = self.max_num_batched_tokens - len(reqs) - reserved
-        ks, choice = [0] * len(reqs), None
-        if self.max_draft_len:
-            decoding = [r for r, n, _ in rows if n == 1]
-            draft_lens, choice = self._draft_lens(decoding, [c for _, n, c in rows if n == 1], plan)
-            for i, (req, end) in enumerate(zip(reqs, ends)):
-                k = min(draft_lens.get(req.request_id, 0), budget)
-                extra = max(pages_for(end + k, ps) - len(req.pages), 0) if k else 0
-                if not k or extra > spare:
-                    continue
-                if extra:
-                    req.pages += self.pool.allocate(extra)
-                spare -= extra
-                budget -= k
-                ks[i] = k
-        plan = StepPlan(reqs, [1] * len(reqs), ks, choice)
-        self._admit(plan, budget + reserved, whole=True)
-        return plan
-
-    def _draft_lens(self, decoding: list[Request], pending: list[int] | None = None,
-                    in_flight: StepPlan | None = None) -> tuple[dict[str, int], object]:
-        """K per decoding request, from the policy, and the policy's note on its choice;
-        `pending[i]` tokens not yet in request i's state count as committed, and so do the
-        prompt chunks of the step `in_flight` (for the policy's `prefill_demand`)."""
-        if not decoding or self.max_draft_len == 0:
+    def _choose(self, in_flight: StepPlan | None) -> tuple[dict[str, int], object]:
+        """K per decoding request (by id), from the policy, and its note on the choice; once
+        a step: with `in_flight`, for the step after it, counting what it may commit as
+        committed (and its prompt chunks as fed, for `prefill_demand`); without, the K chosen
+        while the step before ran, if any. A prompt whose last chunk is in flight starts at
+        K = 0: its state does not show yet what its drafter would have to absorb."""
+        if in_flight is None and self.chosen is not None:
+            chosen, self.chosen = self.chosen, None
+            return chosen
+        if not self.max_draft_len:
             return {}, None
-        pending = pending or [0] * len(decoding)
+        commits, fed = {}, {}
+        if in_flight is not None:
+            for i, (r, n, k) in enumerate(zip(in_flight.requests, in_flight.num_new_tokens, in_flight.draft_lens)):
+                if n == 1 and in_flight.samples(i):
+                    commits[r] = 1 + k
+                elif n > 1:  # (a row fed one token is a decode, or a prompt's last token)
+                    fed[r] = n
+        in_plan = set(in_flight.requests) if in_flight is not None else ()
+        decoding = [r for r in self.running if (self._goes_on(r, commits[r]) if r in commits
+                                                else r not in in_plan and r.num_computed == r.num_tokens - 1)]
+        if not decoding:
+            return {}, None
+        pending = [commits.get(r, 0) for r in decoding]
         # A request can commit at most K + 1 tokens; drafting past its end is waste.
         limits = [max(0, min(self.max_draft_len,
                              r.params.max_tokens - r.num_output_tokens - n - 1,
                              self.max_model_len - r.num_tokens - n - 1)) for r, n in zip(decoding, pending)]
-        # (Only chunks of 2+ tokens: a row fed one token is a decode, or a prompt's last token.)
-        fed = zip(in_flight.requests, in_flight.num_new_tokens) if in_flight else ()
-        self.feeding = {r: n for r, n in fed if n > 1}
+        self.feeding = fed
         try:
             chosen = self.policy.choose(decoding, limits, len(self.waiting))
         finally:

@@ -39,12 +39,6 @@ class StepPlan:
         tokens are known."""
         return all(self.samples(i) for i in range(len(self.requests)))
 
-    def unfinished(self) -> "StepPlan":
-        """The rows whose request still runs (a plan made ahead may hold one that ended since)."""
-        keep = [i for i, r in enumerate(self.requests) if not r.finished]
-        return StepPlan([self.requests[i] for i in keep], [self.num_new_tokens[i] for i in keep],
-                        [self.draft_lens[i] for i in keep], self.choice)
-
 
 @dataclass
 class StepResult:

@@ -2,19 +2,54 @@
 
 from __future__ import annotations
 
-from tidal.config import SpecConfig
+from tidal.config import EngineConfig, SpecConfig
+from tidal.speculative.cost_model import CostModel
+from tidal.speculative.policy import SpecPolicy, make_policy
 from tidal.speculative.proposer import Proposer
 
 
-def build_proposer(spec: SpecConfig, runner, target_config) -> Proposer:
-    if spec.method == "ngram":
-        from tidal.speculative.ngram import NgramProposer
+class Speculation:
+    """What speculative decoding adds to an engine, in one place: the most a request may
+    draft in a step (K's limit, which sizes the runner's graphs), the drafter, built on the
+    target's runner (`attach`), the prices the goodput policy starts from (measured at
+    start-up, `tidal.profiling`), and the policy, made for the scheduler's pages and prompts.
+    Simulated acceptance (benchmarks) rides on the requests it is given to."""
 
-        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
-    if spec.method == "draft_model":
-        from tidal.speculative.draft_model import DraftModelProposer
+    def __init__(self, config: SpecConfig):
+        self.config = config
+        self.max_draft_len = config.num_speculative_tokens
+        self.proposer: Proposer | None = None
+        self.cost_model: CostModel | None = None
 
-        return DraftModelProposer(spec.model, runner, target_config)
-    from tidal.speculative.eagle3 import Eagle3Proposer
+    @property
+    def profiles_costs(self) -> bool:
+        return self.config.policy == "goodput" and self.config.cost_model == "profile"
 
-    return Eagle3Proposer(spec.model, runner, target_config)
+    def attach(self, runner, target_config) -> Proposer:
+        """Build the drafter on the target's runner (its device, pages and hidden states)."""
+        spec = self.config
+        if spec.method == "ngram":
+            from tidal.speculative.ngram import NgramProposer
+
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, runner.device)
+        elif spec.method == "draft_model":
+            from tidal.speculative.draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(spec.model, runner, target_config)
+        else:
+            from tidal.speculative.eagle3 import Eagle3Proposer
+
+            self.proposer = Eagle3Proposer(spec.model, runner, target_config)
+        return self.proposer
+
+    def make_policy(self, pool, demand, config: EngineConfig) -> SpecPolicy:
+        """The policy, seeing `pool`'s free pages and `demand(limit)`, the prompt tokens that
+        want a step's budget."""
+        return make_policy(self.config, pool=pool, demand=demand, max_num_seqs=config.max_num_seqs,
+                           max_num_batched_tokens=config.max_num_batched_tokens, cost_model=self.cost_model)
+
+    def describe(self) -> str:
+        spec = self.config
+        return (f"{spec.method}{f' ({spec.model})' if spec.model else ''}, K <= {self.max_draft_len}, "
+                f"policy {spec.policy}" + (f", SIMULATED acceptance {spec.simulate_acceptance.describe()}"
+                                           if spec.simulate_acceptance is not None else ""))

@@ -66,7 +66,7 @@ class ChainDrafter(ABC):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
         self.absorb_tokens = runner.config.max_num_batched_tokens  # most tokens a forward absorbs (`_absorb`)
-        max_seqs, k = runner.config.max_num_seqs, runner.config.speculative_config.num_speculative_tokens
+        max_seqs, k = runner.config.max_num_seqs, runner.max_draft_len
         # Per row, the position the draft steps stop before (`ForwardBatch.advance`); and per
         # draft position j, each row's greedy draft in target ids (the catch-up writes
         # drafted[0], draft step j writes drafted[j] and feeds drafted[j - 1]). The graphs
@@ -134,7 +134,7 @@ class ChainDrafter(ABC):
         torch.cuda.synchronize(runner.device)
         if runner.config.enforce_eager:
             return
-        k = runner.config.speculative_config.num_speculative_tokens
+        k = runner.max_draft_len
         # One memory pool for all; one set of inputs for the catch-ups, one for the chains.
         pool = catch_up_inputs = chain_inputs = None
         for sampled in (False, True):
@@ -248,7 +248,7 @@ class ChainDrafter(ABC):
         starts, and the span of these forwards (None without any). What is left is at most
         `feed_width(K)` tokens a row, all the drafting forward feeds (a graph's width); the
         placeholders of a step in flight (at most K + 1 a row) are among them."""
-        tail = self.feed_width(self.runner.config.speculative_config.num_speculative_tokens)
+        tail = self.feed_width(self.runner.max_draft_len)
         todo = deque((i, s, e - tail) for i, (s, e) in enumerate(zip(starts, ends)) if e - s > tail)
         if not todo:
             return starts, None

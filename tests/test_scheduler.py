@@ -1,0 +1,131 @@
+"""The planner alone (no model): what `Scheduler.schedule` plans, with and without a step
+in flight, and how it makes room when pages run out."""
+
+from types import SimpleNamespace
+
+import torch
+
+from tidal.config import EngineConfig, SamplingParams
+from tidal.kv_cache import PagePool
+from tidal.request import Request
+from tidal.scheduler import Scheduler
+from tidal.speculative.policy import Fixed
+from tidal.step import StepResult
+
+PAGE = 4
+
+
+def planner(num_pages=64, k=2, budget=64, max_num_seqs=8, drafts_ahead=True, async_scheduling=True):
+    """A scheduler whose policy drafts `k` for every decoding request."""
+    config = EngineConfig(model="unused", device="cpu", page_size=PAGE, max_num_batched_tokens=budget,
+                          max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
+    speculation = SimpleNamespace(max_draft_len=k, proposer=SimpleNamespace(drafts_ahead=drafts_ahead),
+                                  make_policy=lambda pool, demand, config: Fixed(k))
+    return Scheduler(PagePool(num_pages, PAGE, enable_prefix_caching=False), config, 1024, speculation if k else None)
+
+
+def request(name, prompt_len, max_tokens=100):
+    return Request(name, None, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens), 0, ())
+
+
+def commit_all(scheduler, plan, accepted=None, in_flight=None):
+    """Commit `plan` as if row i had `accepted[i]` drafts accepted (all, by default)."""
+    accepted = accepted or plan.draft_lens
+    width = 1 + plan.max_draft_len
+    tokens = torch.full((len(plan.requests), width), 7, dtype=torch.int64)
+    lens = torch.tensor([1 + a if plan.samples(i) else 0 for i, a in enumerate(accepted)], dtype=torch.int64)
+    scheduler.commit(plan, StepResult(tokens, lens), in_flight)
+
+
+def test_a_plan_made_while_a_step_runs_covers_every_draft_there_and_the_next_commit():
+    s = planner()
+    a, b = request("a", 5), request("b", 9)
+    s.add(a), s.add(b)
+    first = s.schedule()
+    assert first.num_new_tokens == [5, 9] and first.draft_lens == [0, 0]
+    commit_all(s, first)
+    decode = s.schedule()
+    assert decode.num_new_tokens == [1, 1] and decode.draft_lens == [2, 2]
+    ahead = s.schedule(decode)  # the step after `decode`, planned while it runs
+    assert ahead.requests == [a, b] and ahead.num_new_tokens == [1, 1] and ahead.draft_lens == [2, 2]
+    # Pages for the 1 + 2 tokens `decode` feeds, and this step's 1 + 2.
+    assert len(a.pages) == -(-(5 + 3 + 3) // PAGE) and len(b.pages) == -(-(9 + 3 + 3) // PAGE)
+    commit_all(s, decode, accepted=[0, 2], in_flight=ahead)  # a rejects both drafts: its pages stay, `ahead` uses them
+    assert len(a.pages) == 3 and a.num_tokens == 7
+    commit_all(s, ahead, accepted=[0, 0])
+    assert len(a.pages) == -(-a.num_computed // PAGE)  # rejected drafts' pages back in the pool
+    assert s.pool.num_free + sum(len(r.pages) for r in (a, b)) == s.pool.capacity
+
+
+def test_no_plan_ahead_of_an_outcome_that_could_change_it_but_the_choice_is_kept():
+    s = planner()
+    long_prompt = request("long", 100)  # more than the budget: chunked
+    s.add(long_prompt)
+    chunk = s.schedule()
+    assert chunk.num_new_tokens == [64] and not chunk.samples_every_row
+    assert s.schedule(chunk) is None  # a row that does not sample: nothing to plan ahead of it
+    commit_all(s, chunk)
+
+    s = planner()
+    a = request("a", 5)
+    s.add(a)
+    commit_all(s, s.schedule())
+    decode = s.schedule()
+    s.add(request("big", 80))  # would have to be chunked after `decode`'s commit
+    free = s.pool.num_free
+    assert s.schedule(decode) is None
+    assert s.pool.num_free == free  # no page taken for a plan not made
+    assert s.chosen[0] == {"a": 2}  # the K chosen while `decode` ran ...
+    choose = s.policy.choose
+    s.policy.choose = lambda *args: (_ for _ in ()).throw(AssertionError("chosen twice"))
+    commit_all(s, decode)
+    plan = s.schedule()  # ... are the ones the plan after its commit takes
+    assert plan.requests[0] is a and plan.draft_lens[0] == 2
+    s.policy.choose = choose
+
+
+def test_a_proposer_that_drafts_on_the_host_gets_no_drafting_plan_ahead():
+    s = planner(drafts_ahead=False)
+    s.add(request("a", 5))
+    commit_all(s, s.schedule())
+    decode = s.schedule()
+    assert s.schedule(decode) is None and s.chosen[0] == {"a": 2}
+
+
+def test_short_of_pages_the_latest_arrival_is_preempted_and_drafts_never_preempt():
+    s = planner(num_pages=9, k=2)  # 8 pages of 4 tokens
+    first, second = request("first", 16), request("second", 16)
+    s.add(first), s.add(second)
+    commit_all(s, s.schedule())  # 4 pages each
+    assert s.pool.num_free == 0
+    plan = s.schedule()  # each needs a 5th page for its next token: `second` makes room for `first`
+    assert plan.requests == [first] and plan.num_new_tokens == [1] and plan.draft_lens == [2]
+    assert second.pages == [] and s.waiting[0] is second and s.num_preemptions == 1
+
+    s = planner(num_pages=10, k=2)  # 9 pages: one spare
+    first, second = request("first", 15), request("second", 16)
+    s.add(first), s.add(second)
+    commit_all(s, s.schedule())
+    # `first`'s next token fits its pages, its drafts would need the spare page, which
+    # `second`'s next token needs (its drafts then fit there): `first` does not draft, and
+    # nobody is preempted.
+    plan = s.schedule()
+    assert plan.requests == [first, second] and plan.draft_lens == [0, 2] and s.num_preemptions == 0
+
+
+def test_waiting_prompts_that_fit_whole_go_before_drafts():
+    s = planner(budget=16, k=4)
+    a = request("a", 4)
+    s.add(a)
+    commit_all(s, s.schedule())
+    s.add(request("b", 12))
+    plan = s.schedule()  # 1 (a's token) + 12 (b's whole prompt) leaves 3 for a's drafts
+    assert plan.num_new_tokens == [1, 12] and plan.draft_lens == [3, 0]
+
+
+def test_without_async_scheduling_the_policy_still_chooses_while_the_step_runs():
+    s = planner(async_scheduling=False)
+    s.add(request("a", 5))
+    commit_all(s, s.schedule())
+    decode = s.schedule()
+    assert s.schedule(decode) is None and s.chosen[0] == {"a": 2}
