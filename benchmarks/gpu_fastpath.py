@@ -33,8 +33,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
 from tidal import LLM, SamplingParams  # noqa: E402
 from common import LLAMA_8B, SMOKE, write_eagle_dir, write_model_dir  # noqa: E402,F401
 from tidal.demo import DEMO_DIR  # noqa: E402
@@ -85,54 +83,55 @@ def decode_rate(llm, prompts, new_tokens, params=None):
 
 
 def check_correctness(device, results):
-    from checkpoints import make_checkpoint
+    """Greedy tokens of the shipped demo target (float32) equal transformers', through the
+    Triton kernels with and without graphs, the torch reference, and speculation (the demo
+    EAGLE-3 head, and the target drafting for itself as a draft model)."""
     import transformers
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(make_checkpoint(Path(tmp) / "tiny", "llama", num_layers=4))
-        prompts = random_prompts(6, 0, 384, seed=1)
-        prompts = [p + [random.Random(i).randrange(3, 384) for _ in range(3 + 9 * i)] for i, p in enumerate(prompts)]
-        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-        hf.generation_config.eos_token_id = None
-        want = [hf.generate(torch.tensor([p], device=device), max_new_tokens=32, min_new_tokens=32,
-                            do_sample=False)[0, len(p):].tolist() for p in prompts]
-        del hf
+    model_dir = str(DEMO_DIR / "target")
+    prompts = random_prompts(6, 0, 384, seed=1)
+    prompts = [p + [random.Random(i).randrange(3, 384) for _ in range(3 + 9 * i)] for i, p in enumerate(prompts)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    hf.generation_config.eos_token_id = None
+    want = [hf.generate(torch.tensor([p], device=device), max_new_tokens=32, min_new_tokens=32,
+                        do_sample=False)[0, len(p):].tolist() for p in prompts]
+    del hf
+    free_memory()
+    variants = {"triton+graphs": {}, "triton eager": {"enforce_eager": True},
+                "torch reference": {"attention_backend": "torch", "enforce_eager": True}}
+    for name, kw in variants.items():
+        llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
+        stats = llm.engine.stats()
+        results["correctness"][name] = {"equal_to_transformers": got == want,
+                                        "pages_free": stats["num_free_pages"] == stats["num_pages"]}
+        del llm
         free_memory()
-        variants = {"triton+graphs": {}, "triton eager": {"enforce_eager": True},
-                    "torch reference": {"attention_backend": "torch", "enforce_eager": True}}
-        for name, kw in variants.items():
-            llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, **kw)
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
-            stats = llm.engine.stats()
-            results["correctness"][name] = {"equal_to_transformers": got == want,
-                                            "pages_free": stats["num_free_pages"] == stats["num_pages"]}
-            del llm
-            free_memory()
-        # Speculation (drafter graphs included) must not change greedy tokens.
-        from checkpoints import make_eagle3_checkpoint
-        from test_spec import truncated_drafter
-        drafters = {"draft_model": truncated_drafter(model_dir, Path(tmp) / "draft", 2),
-                    "eagle3": str(make_eagle3_checkpoint(Path(tmp) / "eagle3", model_dir))}
-        for method, path in drafters.items():
-            sc = {"method": method, "model": path, "num_speculative_tokens": 3, "policy": "fixed"}
-            llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, num_pages=512,
-                      speculative_config=sc)
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
-            stats = llm.engine.stats()
-            results["correctness"][f"speculative {method}"] = {
-                "equal_to_transformers": got == want, "pages_free": stats["num_free_pages"] == stats["num_pages"],
-                "accepted": stats["spec"]["num_accepted"], "drafted": stats["spec"]["num_drafted"]}
-            del llm
-            free_memory()
+    # Speculation (drafter graphs included) must not change greedy tokens.
+    drafters = {"draft_model": model_dir, "eagle3": str(DEMO_DIR / "eagle3")}
+    for method, path in drafters.items():
+        sc = {"method": method, "model": path, "num_speculative_tokens": 3, "policy": "fixed"}
+        llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, num_pages=512,
+                  speculative_config=sc)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
+        stats = llm.engine.stats()
+        results["correctness"][f"speculative {method}"] = {
+            "equal_to_transformers": got == want, "pages_free": stats["num_free_pages"] == stats["num_pages"],
+            "accepted": stats["spec"]["num_accepted"], "drafted": stats["spec"]["num_drafted"]}
+        del llm
+        free_memory()
     drafts_in_graphs(device, results)
+
+
+CHATS = [[{"role": "user", "content": "How do I sort a list in Python?"}],
+         [{"role": "user", "content": "Write a short poem about the sea."}],
+         [{"role": "user", "content": "What is the capital of France?"}]]
 
 
 def drafts_in_graphs(device, results):
     """The drafter's graphs draft what its eager path drafts: on the shipped demo pair (a
     trained head, so drafts are accepted) greedy and seeded sampling, K = 4, with graphs
     and with `enforce_eager`: the same output tokens and the same acceptance."""
-    from test_demo_pair import CHATS
-
     sc = {"method": "eagle3", "model": str(DEMO_DIR / "eagle3"), "num_speculative_tokens": 4, "policy": "fixed"}
     runs = {}
     for mode, kw in {"graphs": {}, "eager": {"enforce_eager": True}}.items():

@@ -231,3 +231,27 @@ class _Recorder:
         self.calls.append((q, k, v, kv_cache, scale, rotary))
         self._begin()
         return out
+
+
+def forward_rows(graphs: CudaGraphs | None, eager: Callable[[ForwardBatch, torch.Tensor | None], object],
+                 feeds: list[list[int]], contexts: list[int], pages: list[list[int]], page_size: int,
+                 device: torch.device, state: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                 adjust: Callable[[ForwardBatch], None] | None = None, pad_tokens: int = 0):
+    """One forward over these rows, the target's or a drafter's: replayed from `graphs`
+    where one fits, else `eager` on a batch built for it (padded to `pad_tokens`).
+    `input_ids` (on the device) replace the fed tokens; `adjust` edits the batch's
+    inputs on the device before it runs (rows moved back by the drafts a step in flight
+    rejected). Returns the forward's outputs for the real tokens (or rows) and their
+    slot mapping."""
+    num_tokens, width = sum(len(f) for f in feeds), max(len(f) for f in feeds)
+    if graphs is not None and graphs.fits(len(feeds), width):
+        key = graphs.load(feeds, contexts, pages, width, state, input_ids)
+        if adjust is not None:
+            adjust(graphs.inputs(key))
+        return graphs.replay(key, num_tokens, len(feeds))
+    batch = ForwardBatch.build(feeds, contexts, pages, page_size, device, pad_tokens=pad_tokens)
+    if input_ids is not None:
+        batch.input_ids[:num_tokens].copy_(input_ids)
+    if adjust is not None:
+        adjust(batch)
+    return eager(batch, state), batch.slot_mapping[:num_tokens]

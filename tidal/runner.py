@@ -15,9 +15,9 @@ import torch
 from tidal.attention import get_backend
 from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_tails
 from tidal.config import DTYPES, EngineConfig
-from tidal.graphs import CudaGraphs, PiecewiseGraphs
+from tidal.graphs import CudaGraphs, PiecewiseGraphs, forward_rows
 from tidal.kv_cache import NULL_PAGE
-from tidal.layers.sampler import SamplingTensors, compute_logprobs, sample
+from tidal.layers.sampler import SamplingTensors, compute_logprobs
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
 from tidal.speculative.verify import verify
@@ -163,93 +163,82 @@ class ModelRunner:
         the last token that step commits for it, taken on the device, and is built as if
         every draft there were accepted, then moved back on the device by those rejected."""
         reqs = plan.requests
-        computed = ahead.computed if ahead else [0] * len(reqs)
         carried = ahead.carried if ahead else 0  # rows fed the token the step in flight commits
-        feeds = []
-        for i, req in enumerate(reqs):
-            start = req.num_computed
-            feed = [0] if i < carried else req.token_ids[start:start + plan.num_new_tokens[i]]
-            feeds.append(feed + [0] * plan.draft_lens[i])  # drafts are written on the device
-        input_ids = None
-        if ahead and not plan.max_draft_len and carried == len(reqs):
-            input_ids = ahead.last
-        elif ahead:
-            source = ahead.last[:, None] if not plan.max_draft_len else torch.cat(
-                [ahead.last[:, None], drafts.tokens], dim=1)
-            input_ids = with_device_tails(feeds, [1 + k if i < carried else 0 for i, k in enumerate(plan.draft_lens)],
-                                          source)
-        elif plan.max_draft_len:
-            input_ids = with_device_tails(feeds, plan.draft_lens, drafts.tokens)
-        rejected = ahead.rejected if ahead else None
-        width = 1 + plan.max_draft_len
+        feeds = [([0] if i < carried else r.token_ids[r.num_computed:r.num_computed + n]) + [0] * k
+                 for i, (r, n, k) in enumerate(zip(reqs, plan.num_new_tokens, plan.draft_lens))]  # drafts: on the device
         rows = [i for i in range(len(reqs)) if i < carried or plan.samples(i)]
-        contexts, pages = [r.num_computed + n for r, n in zip(reqs, computed)], [r.pages for r in reqs]
+        contexts = [r.num_computed + (ahead.computed[i] if ahead else 0) for i, r in enumerate(reqs)]
+        rejected = ahead.rejected if ahead else None
+        num_tokens = sum(len(f) for f in feeds)
+        bucket = self.pieces.bucket(num_tokens) if self.pieces is not None else None
         decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
-        if self.graphs is not None and decode_only and self.graphs.fits(len(reqs), width):
-            out, slot_mapping = self.graphs.run(feeds, contexts, pages, width, input_ids=input_ids, rejected=rejected)
-        else:
-            num_tokens = sum(len(f) for f in feeds)
-            bucket = self.pieces.bucket(num_tokens) if self.pieces is not None else None
-            batch = ForwardBatch.build(feeds, contexts, pages, self.page_size, self.device, pad_tokens=bucket or 0)
-            if input_ids is not None:
-                batch.input_ids[:num_tokens].copy_(input_ids)
-            if rejected is not None:
-                batch.move_back(rejected, self.page_size)
-            if bucket is None:
-                out = self.model(batch.input_ids, batch, self.kv_caches)
-            else:
-                out = self.pieces.run(batch, num_tokens)
-            slot_mapping = batch.slot_mapping[:num_tokens]
+        out, slot_mapping = forward_rows(
+            self.graphs if decode_only else None,
+            lambda batch, _: self.model(batch.input_ids, batch, self.kv_caches) if bucket is None
+            else self.pieces.run(batch, num_tokens),
+            feeds, contexts, [r.pages for r in reqs], self.page_size, self.device,
+            input_ids=self._device_inputs(plan, feeds, drafts, ahead), pad_tokens=bucket or 0,
+            adjust=None if rejected is None else lambda batch: batch.move_back(rejected, self.page_size))
+        hidden = out
         if self.aux_cache is not None:
             hidden, aux = out
             self.aux_cache[slot_mapping] = aux
-        else:
-            hidden = out
-
-        # Rows that sample: logits for their last K_i + 1 query positions, padded to W.
-        step = PendingStep(plan, rows, width)
+        step = PendingStep(plan, rows, 1 + plan.max_draft_len)
         if rows:
-            sampled = [reqs[i] for i in rows]
-            # Every index the sampling rows need, in one host-to-device copy (a host list as
-            # an index would sync): where their logits are (no index in a plain decode step,
-            # where every token is a row's last), output counters, draft lengths and rows.
-            every_token = width == 1 and len(rows) == len(reqs) == hidden.shape[0]
-            logit_index = []
-            if not every_token:
-                ends = list(itertools.accumulate(len(f) for f in feeds))
-                logit_index = [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i])
-                             for i in rows for j in range(width)]
-            commits = ahead.commits if ahead else [0] * len(reqs)
-            counters = [reqs[i].num_output_tokens + commits[i] for i in rows]
-            ks = [plan.draft_lens[i] for i in rows] if width > 1 else []
-            subset = rows if width > 1 and len(rows) < len(reqs) else []
-            logit_index, counters, ks, subset = to_device_parts([logit_index, counters, ks, subset], torch.int64,
-                                                                self.device)
-            if rejected is not None:
-                counters = counters - rejected
-            last = hidden if every_token else hidden[logit_index]
-            logits = self.model.compute_logits(last).view(len(rows), width, -1)
-            st = self.sampling_tensors(sampled)
-            if width == 1:
-                step.tokens = sample(logits[:, 0], st, counters)[:, None]
-                out = step.tokens
-            else:
-                tokens = drafts.tokens[:, :width - 1]
-                if len(subset):
-                    tokens = tokens[subset]
-                step.tokens, step.accepted = verify(logits, tokens, ks, st, counters)
-                step.rejected = ks + 1 - step.accepted
-                out = torch.cat([step.tokens, step.accepted[:, None]], dim=1)
-            wanted = [r.params.logprobs for r in sampled]
-            if any(n is not None for n in wanted):
-                b, w, v = logits.shape
-                step.logprobs = (wanted, compute_logprobs(logits.view(b * w, v), step.tokens.reshape(-1),
-                                                          max(n or 0 for n in wanted)))
-            step.copy_to_host(out)
+            self._verify(step, hidden, feeds, drafts, ahead)
         if self.device.type == "cuda":
             step.done = torch.cuda.Event(enable_timing=True)
             step.done.record()
         return step
+
+    @staticmethod
+    def _device_inputs(plan: StepPlan, feeds: list[list[int]], drafts: Drafts | None,
+                       ahead: Ahead | None) -> torch.Tensor | None:
+        """The step's input ids where some are only on the device (None where none are):
+        the drafts, and, planned ahead, the tokens the step in flight commits."""
+        if ahead is None:
+            return with_device_tails(feeds, plan.draft_lens, drafts.tokens) if plan.max_draft_len else None
+        if not plan.max_draft_len and ahead.carried == len(feeds):
+            return ahead.last
+        source = ahead.last[:, None] if not plan.max_draft_len else torch.cat([ahead.last[:, None], drafts.tokens], 1)
+        return with_device_tails(feeds, [1 + k if i < ahead.carried else 0 for i, k in enumerate(plan.draft_lens)],
+                                 source)
+
+    def _verify(self, step: PendingStep, hidden: torch.Tensor, feeds: list[list[int]], drafts: Drafts | None,
+                ahead: Ahead | None) -> None:
+        """The sampling rows' tokens: logits at each row's last K_i + 1 positions (padded to
+        the step's width W), verified against its drafts (K_i = 0: plain sampling), then
+        queued for the one copy to the host."""
+        plan, rows, width = step.plan, step.rows, step.width
+        reqs = plan.requests
+        # Every index the rows need, in one host-to-device copy (a host list as an index would
+        # sync): where their logits are (none in a plain decode step, where every token is a
+        # row's last), output counters, draft lengths and the rows that verify drafts.
+        every_token = width == 1 and len(rows) == len(reqs) == hidden.shape[0]
+        ends = [] if every_token else list(itertools.accumulate(len(f) for f in feeds))
+        logit_index = [] if every_token else [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i])
+                                               for i in rows for j in range(width)]
+        counters = [reqs[i].num_output_tokens + (ahead.commits[i] if ahead else 0) for i in rows]
+        ks = [plan.draft_lens[i] for i in rows]
+        subset = rows if width > 1 and len(rows) < len(reqs) else []
+        logit_index, counters, ks, subset = to_device_parts([logit_index, counters, ks, subset], torch.int64,
+                                                            self.device)
+        if ahead is not None and ahead.rejected is not None:
+            counters = counters - ahead.rejected
+        logits = self.model.compute_logits(hidden if every_token else hidden[logit_index]).view(len(rows), width, -1)
+        tokens = drafts.tokens[:, :width - 1] if width > 1 else logits.new_zeros(len(rows), 0, dtype=torch.int64)
+        if len(subset):
+            tokens = tokens[subset]
+        sampled = [reqs[i] for i in rows]
+        step.tokens, step.accepted = verify(logits, tokens, ks, self.sampling_tensors(sampled), counters)
+        if width > 1:
+            step.rejected = ks + 1 - step.accepted
+        wanted = [r.params.logprobs for r in sampled]
+        if any(n is not None for n in wanted):
+            b, w, v = logits.shape
+            step.logprobs = (wanted, compute_logprobs(logits.view(b * w, v), step.tokens.reshape(-1),
+                                                      max(n or 0 for n in wanted)))
+        step.copy_to_host(torch.cat([step.tokens, step.accepted[:, None]], dim=1))
 
 
 class PendingStep:
@@ -261,8 +250,8 @@ class PendingStep:
         self.rows = rows            # plan rows that sample
         self.width = width
         self.tokens: torch.Tensor | None = None  # [len(rows), W] on the device
-        self.accepted: torch.Tensor | None = None  # [len(rows)] on the device, when verifying: tokens committed
-        self.rejected: torch.Tensor | None = None  # and drafts rejected (1 + K_i - accepted)
+        self.accepted: torch.Tensor | None = None  # [len(rows)] on the device: tokens committed
+        self.rejected: torch.Tensor | None = None  # and drafts rejected (1 + K_i - accepted; None at W = 1)
         self.logprobs = None        # (logprobs wanted per sampled row, their device tensors)
         self.host: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None  # recorded after the step's last work on the device
@@ -272,7 +261,7 @@ class PendingStep:
         self.observation: tuple | None = None  # what the policy learns from it, until it has (`record_result`)
 
     def copy_to_host(self, out: torch.Tensor) -> None:
-        """The step's one device-to-host copy: tokens (and, when verifying, accepted lengths)."""
+        """The step's one device-to-host copy: tokens, then how many are committed."""
         if out.device.type == "cuda":
             self.host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             self.host.copy_(out, non_blocking=True)
@@ -317,10 +306,10 @@ class PendingStep:
         if index != list(range(len(own.requests))):
             index_t = to_device(index, torch.int64, tokens.device)
             tokens = tokens[index_t]
-            if accepted is not None:
-                accepted, rejected = accepted[index_t], rejected[index_t]
+            accepted = accepted[index_t]
+            rejected = None if rejected is None else rejected[index_t]
         computed = [own.num_new_tokens[i] + k for i, k in zip(index, ks)]
-        last = tokens[:, 0] if accepted is None else tokens.gather(1, (accepted - 1)[:, None])[:, 0]
+        last = tokens[:, 0] if self.width == 1 else tokens.gather(1, (accepted - 1)[:, None])[:, 0]
         commits = [1 + k for k in ks]
         fresh = len(reqs) - carried
         if fresh:
@@ -338,10 +327,7 @@ class PendingStep:
             return StepResult(token_ids, accept_lens)
         if self.done is not None:
             self.done.synchronize()
-        if self.width == 1:
-            token_ids[self.rows], accept_lens[self.rows] = self.host, 1
-        else:
-            token_ids[self.rows], accept_lens[self.rows] = self.host[:, :-1], self.host[:, -1]
+        token_ids[self.rows], accept_lens[self.rows] = self.host[:, :-1], self.host[:, -1]
         return StepResult(token_ids, accept_lens, self._logprobs())
 
     def _logprobs(self):

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from tidal.batch import ForwardBatch, to_device_parts, with_device_tails
-from tidal.graphs import CudaGraphs
+from tidal.graphs import CudaGraphs, forward_rows
 from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, sample_from_probs
 from tidal.step import Ahead, Drafts, Span, StepPlan
 
@@ -275,19 +275,14 @@ class ChainDrafter(ABC):
         """One catch-up forward (`_catch_up`), replayed from a graph when one fits; returns
         its output state. `input_ids` (on the device) replace the fed tokens; `rejected[i]`
         tokens at the end of row i are not real, so its draft comes from before them."""
-        width, n = max(len(f) for f in feeds), len(feeds)
-        graphs = self.catch_up_graphs.get(sampled)
-        if graphs is not None and graphs.fits(n, width):
-            key = graphs.load(feeds, starts, pages, width, state, input_ids)
-            if rejected is not None:
-                graphs.inputs(key).last_index[:n].sub_(rejected.to(torch.int32))
-            return graphs.replay(key, sum(len(f) for f in feeds), n)[0][1]
-        batch = ForwardBatch.build(feeds, starts, pages, self.runner.page_size, self.runner.device)
-        if input_ids is not None:
-            batch.input_ids.copy_(input_ids)
-        if rejected is not None:
-            batch.last_index.sub_(rejected.to(torch.int32))
-        return self._catch_up(batch, state, sampled)[1]
+        def before_rejected(batch: ForwardBatch) -> None:
+            batch.last_index[:len(feeds)].sub_(rejected.to(torch.int32))
+
+        (_, state), _ = forward_rows(self.catch_up_graphs.get(sampled),
+                                     lambda batch, state: self._catch_up(batch, state, sampled),
+                                     feeds, starts, pages, self.runner.page_size, self.runner.device, state,
+                                     input_ids, adjust=None if rejected is None else before_rejected)
+        return state
 
     def _draft(self, reqs, pending, max_limit, pages, state, rejected, steps: int, sampled: bool) -> None:
         """The `steps` one-token steps after the catch-up (`_draft_steps`). Their inputs are

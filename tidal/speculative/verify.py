@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tidal.layers.sampler import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, greedy_tokens, hash_uniform, \
-    processed_probs, sample_from_probs
+    processed_probs, sample, sample_from_probs
 
 
 def verify(
@@ -38,6 +38,9 @@ def verify(
     """
     B, W, V = target_logits.shape
     K = W - 1
+    if K == 0:  # plain sampling
+        return sample(target_logits[:, 0], st, counters)[:, None], torch.ones(B, dtype=torch.int64,
+                                                                              device=target_logits.device)
     positions = torch.arange(W, device=target_logits.device)
     if st.all_greedy:
         targets = greedy_tokens(target_logits)  # [B, W]
