@@ -13,10 +13,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from checkpoints import ARCHS, make_checkpoint, make_eagle3_checkpoint
+from tidal import batch_kernels
 from tidal.attention.torch_ref import TorchAttention
 from tidal.batch import ForwardBatch, to_device_parts
 from tidal.graphs import CudaGraphs
-from tidal.layers import fused
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
 from tidal.models.eagle3 import Eagle3Config, load_eagle3
@@ -334,7 +334,7 @@ def test_advance_moves_each_row_to_its_next_position_until_its_limit():
     kernel = ForwardBatch.build([[0]] * 21, starts, pages, PAGE_SIZE, "cpu")
     eager = ForwardBatch.build([[0]] * 21, starts, pages, PAGE_SIZE, "cpu")
     for _ in range(4):
-        fused.advance(limits, kernel.seq_lens, kernel.positions, kernel.slot_mapping, kernel.page_table, PAGE_SIZE)
+        batch_kernels.advance(limits, kernel.seq_lens, kernel.positions, kernel.slot_mapping, kernel.page_table, PAGE_SIZE)
         eager.advance(limits, PAGE_SIZE)
         for field in ("positions", "seq_lens", "slot_mapping"):
             assert getattr(kernel, field).tolist() == getattr(eager, field).tolist(), field
@@ -356,7 +356,7 @@ def test_move_back_puts_rows_where_they_really_are():
     assert batch.slot_mapping.tolist()[-2:] == [-1, -1]
     # The kernel CUDA runs instead (here through Triton's interpreter) does the same.
     kernel = ForwardBatch.build(feeds, contexts, pages, PAGE_SIZE, "cpu", pad_tokens=32)
-    fused.move_back(torch.tensor(rejected), kernel.query_start_loc, kernel.seq_lens, kernel.positions,
+    batch_kernels.move_back(torch.tensor(rejected), kernel.query_start_loc, kernel.seq_lens, kernel.positions,
                     kernel.slot_mapping, kernel.page_table, PAGE_SIZE)
     for field in ("positions", "seq_lens", "slot_mapping"):
         assert getattr(kernel, field).tolist() == getattr(built, field).tolist(), field

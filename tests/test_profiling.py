@@ -83,3 +83,21 @@ def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog)
     watch.start_up()  # another engine's start-up in the same process
     build("its start-up")
     assert watch.count == 1
+
+
+def test_the_largest_steps_stay_within_max_model_len(checkpoint, tmp_path):
+    """A model whose context is shorter than the token budget: the row that absorbs a
+    budget's worth stops at max_model_len (a position past it has no rotary angle)."""
+    target = checkpoint("llama")
+    head = str(make_eagle3_checkpoint(tmp_path / "eagle3", target))
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3, "policy": "fixed"}
+    engine = LLM(model=target, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=40,
+                 speculative_config=spec).engine
+    runner, proposer = engine.core.runner, engine.core.speculation.proposer
+    positions = []
+    model_forward, draft_forward = runner.model.forward, proposer.forward
+    runner.model.forward = lambda ids, batch, kv: positions.append(int(batch.positions.max())) or model_forward(
+        ids, batch, kv)
+    proposer.forward = lambda batch, state: positions.append(int(batch.positions.max())) or draft_forward(batch, state)
+    run_largest_steps(runner, proposer)
+    assert max(positions) < 40

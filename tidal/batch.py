@@ -87,9 +87,9 @@ class ForwardBatch:
         stores nothing. A drafter's steps after the first reuse one batch (or one graph's
         inputs) this way, without the host."""
         if limits.is_cuda:
-            from tidal.layers import fused
+            from tidal import batch_kernels
 
-            fused.advance(limits, self.seq_lens, self.positions, self.slot_mapping, self.page_table, page_size)
+            batch_kernels.advance(limits, self.seq_lens, self.positions, self.slot_mapping, self.page_table, page_size)
             return
         step = self.positions + 1 < limits
         self.positions.add_(step)
@@ -103,10 +103,10 @@ class ForwardBatch:
         every draft there were accepted; this puts its rows where they really are, without
         the host. Tokens that store nowhere still store nowhere."""
         if rejected.is_cuda:
-            from tidal.layers import fused
+            from tidal import batch_kernels
 
-            fused.move_back(rejected, self.query_start_loc, self.seq_lens, self.positions, self.slot_mapping,
-                            self.page_table, page_size)
+            batch_kernels.move_back(rejected, self.query_start_loc, self.seq_lens, self.positions,
+                                    self.slot_mapping, self.page_table, page_size)
             return
         n = rejected.shape[0]
         token = torch.arange(self.num_tokens, dtype=torch.int32, device=rejected.device)

@@ -48,9 +48,9 @@ def version() -> str:
     try:
         return importlib.metadata.version("tidal")
     except importlib.metadata.PackageNotFoundError:
-        import tidal
+        from tidal.version import __version__
 
-        return tidal.__version__
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:

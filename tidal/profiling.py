@@ -24,6 +24,7 @@ from tidal.config import SamplingParams
 from tidal.request import Request
 from tidal.speculative.cost_model import CostModel, fill_by_tokens, grid_axes, monotone
 from tidal.step import Drafts, StepPlan
+from tidal.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -96,11 +97,13 @@ def run_largest_steps(runner, proposer) -> None:
         return
     k = runner.max_draft_len
     plan = dummy_plan(verify_rows(config), ps, k, runner.num_pages, ps, SAMPLED)
-    first = plan.requests[0]  # one row that missed a budget's worth (it takes the pages after the others')
-    first.token_ids = [0] * (budget + k + 3)
+    # One row that missed a budget's worth, or all that max_model_len leaves beside its drafts
+    # (the model has no positions past it); it takes the pages after the others'.
+    first = plan.requests[0]
+    first.token_ids = [0] * min(budget + k + 3, runner.max_model_len - k)
     first.num_computed = len(first.token_ids) - 1
     used = {p for r in plan.requests[1:] for p in r.pages}
-    first.pages = [p for p in range(1, runner.num_pages) if p not in used][:-(-len(first.token_ids) // ps)]
+    first.pages = [p for p in range(1, runner.num_pages) if p not in used][:-(-(len(first.token_ids) + k) // ps)]
     for r in plan.requests:
         r.num_absorbed = 0 if r is first else r.num_computed - 1
     drafts = proposer.propose(plan, list(range(len(plan.requests))))
@@ -178,9 +181,7 @@ def cost_key(runner, proposer) -> dict:
     config = runner.config
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else \
         f"cpu x{os.cpu_count()}"
-    import tidal
-
-    return {"device": device, "torch": torch.__version__, "tidal": tidal.__version__,
+    return {"device": device, "torch": torch.__version__, "tidal": __version__,
             "model": asdict(runner.model_config), "drafter": repr(getattr(proposer, "config", None)),
             "method": config.speculative_config.method, "dtype": str(runner.dtype),
             "graphs": runner.graphs is not None, "attention": type(runner.attn).__name__,

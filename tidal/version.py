@@ -1,0 +1,3 @@
+"""The engine's version, importable without importing the engine."""
+
+__version__ = "0.1.0"
