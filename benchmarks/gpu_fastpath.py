@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import random
-import sys
 import tempfile
 import time
 import traceback
@@ -33,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from tidal import LLM, SamplingParams  # noqa: E402
-from common import LLAMA_8B, SMOKE, write_eagle_dir, write_model_dir  # noqa: E402,F401
-from tidal.demo import DEMO_DIR  # noqa: E402
-from tidal.runner import PendingStep  # noqa: E402
+from common import LLAMA_8B, SMOKE, write_eagle_dir, write_model_dir
+from tidal import LLM, SamplingParams
+from tidal.demo import DEMO_DIR
+from tidal.runner import PendingStep
+
 
 def random_prompts(n, length, vocab, seed=0):
     rng = random.Random(seed)
