@@ -23,21 +23,22 @@ def test_largest_steps_are_bounded_and_leave_the_engine_exact(checkpoint, tmp_pa
     want = [o.outputs[0].token_ids for o in LLM(model=target).generate(PROMPTS, GREEDY, use_tqdm=False)]
     llm = LLM(model=target, max_num_batched_tokens=64, max_num_seqs=8, speculative_config=spec)
     engine = llm.engine
-    assert engine.core.runner.num_pages >= largest_step_pages(engine.config, engine.config.page_size)
+    runner, proposer = engine.core.runner, engine.core.speculation.proposer
+    assert runner.num_pages >= largest_step_pages(engine.config, engine.config.page_size)
     sizes = {"target": [], "drafter": []}
-    model_forward, draft_forward = engine.core.runner.model.forward, engine.core.speculation.proposer.forward
-    engine.core.runner.model.forward = lambda ids, batch, kv: sizes["target"].append(len(ids)) or model_forward(ids, batch, kv)
-    engine.core.speculation.proposer.forward = lambda batch, state: sizes["drafter"].append(batch.num_tokens) or draft_forward(batch, state)
-    run_largest_steps(engine.core.runner, engine.core.speculation.proposer)
+    model_forward, draft_forward = runner.model.forward, proposer.forward
+    runner.model.forward = lambda ids, batch, kv: sizes["target"].append(len(ids)) or model_forward(ids, batch, kv)
+    proposer.forward = lambda batch, state: sizes["drafter"].append(batch.num_tokens) or draft_forward(batch, state)
+    run_largest_steps(runner, proposer)
     assert sizes["target"] == [64, 8 * 4]  # a budget-long prompt chunk, then 8 rows verifying 3 drafts
     assert sizes["drafter"][0] == 64 and max(sizes["drafter"]) == 64  # one budget-long absorb, none larger
     assert max(sizes["drafter"][1:]) <= 8 * (3 + 2)
-    engine.core.runner.model.forward, engine.core.speculation.proposer.forward = model_forward, draft_forward
+    runner.model.forward, proposer.forward = model_forward, draft_forward
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert got == want
     assert engine.core.pool.num_free == engine.core.pool.capacity
-    assert plan_pages(engine.core.runner, engine.core.speculation.proposer) == int(engine.config.kv_cache_memory_gb * 2**30
-                                                             // engine.core.runner.bytes_per_page(engine.core.speculation.proposer.bytes_per_page))
+    assert plan_pages(runner, proposer) == int(engine.config.kv_cache_memory_gb * 2**30
+                                               // runner.bytes_per_page(proposer.bytes_per_page))
 
 
 def test_the_cost_profile_is_kept_for_the_same_shapes(checkpoint, tmp_path, monkeypatch):

@@ -5,4 +5,5 @@ from tidal.llm import LLM, LLMEngine
 from tidal.request import CompletionOutput, RequestOutput
 from tidal.version import __version__
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "SpecConfig", "RequestOutput", "CompletionOutput",
+           "__version__"]

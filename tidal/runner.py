@@ -33,7 +33,8 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int, max_draft_len: int = 0):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
+                 max_draft_len: int = 0):
         self.config = config
         self.max_model_len = max_model_len
         self.max_draft_len = max_draft_len  # the most drafts a row verifies (the speculation's K limit)
@@ -164,8 +165,9 @@ class ModelRunner:
         every draft there were accepted, then moved back on the device by those rejected."""
         reqs = plan.requests
         carried = ahead.carried if ahead else 0  # rows fed the token the step in flight commits
+        # Each row's tokens; its drafts are written on the device.
         feeds = [([0] if i < carried else r.token_ids[r.num_computed:r.num_computed + n]) + [0] * k
-                 for i, (r, n, k) in enumerate(zip(reqs, plan.num_new_tokens, plan.draft_lens))]  # drafts: on the device
+                 for i, (r, n, k) in enumerate(zip(reqs, plan.num_new_tokens, plan.draft_lens))]
         rows = [i for i in range(len(reqs)) if i < carried or plan.samples(i)]
         contexts = [r.num_computed + (ahead.computed[i] if ahead else 0) for i, r in enumerate(reqs)]
         rejected = ahead.rejected if ahead else None
