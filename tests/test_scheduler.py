@@ -3,6 +3,7 @@ in flight, and how it makes room when pages run out."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tidal.config import EngineConfig, SamplingParams
@@ -57,38 +58,39 @@ def test_a_plan_made_while_a_step_runs_covers_every_draft_there_and_the_next_com
     assert s.pool.num_free + sum(len(r.pages) for r in (a, b)) == s.pool.capacity
 
 
-def test_no_plan_ahead_of_an_outcome_that_could_change_it_but_the_choice_is_kept():
-    s = planner()
-    long_prompt = request("long", 100)  # more than the budget: chunked
-    s.add(long_prompt)
-    chunk = s.schedule()
-    assert chunk.num_new_tokens == [64] and not chunk.samples_every_row
-    assert s.schedule(chunk) is None  # a row that does not sample: nothing to plan ahead of it
-    commit_all(s, chunk)
-
-    s = planner()
+def one_decoding(**kw):
+    """A planner with request "a" decoding, and the plan of its step (at K = 2), not yet committed."""
+    s = planner(**kw)
     a = request("a", 5)
     s.add(a)
     commit_all(s, s.schedule())
-    decode = s.schedule()
+    return s, a, s.schedule()
+
+
+def test_no_plan_ahead_of_an_outcome_that_could_change_it_but_the_choice_is_kept():
+    s = planner()
+    s.add(request("long", 100))  # more than the budget: chunked
+    chunk = s.schedule()
+    assert chunk.num_new_tokens == [64] and not chunk.samples_every_row
+    assert s.schedule(chunk) is None  # a row that does not sample: nothing to plan ahead of it
+
+    s, a, decode = one_decoding()
     s.add(request("big", 80))  # would have to be chunked after `decode`'s commit
     free = s.pool.num_free
     assert s.schedule(decode) is None
     assert s.pool.num_free == free  # no page taken for a plan not made
     assert s.chosen[0] == {"a": 2}  # the K chosen while `decode` ran ...
-    choose = s.policy.choose
-    s.policy.choose = lambda *args: (_ for _ in ()).throw(AssertionError("chosen twice"))
+    choices, choose = [], s.policy.choose
+    s.policy.choose = lambda *args: choices.append(args) or choose(*args)
     commit_all(s, decode)
-    plan = s.schedule()  # ... are the ones the plan after its commit takes
-    assert plan.requests[0] is a and plan.draft_lens[0] == 2
-    s.policy.choose = choose
+    plan = s.schedule()  # ... are the ones the plan after its commit takes, without choosing again
+    assert plan.requests[0] is a and plan.draft_lens[0] == 2 and choices == []
 
 
-def test_a_proposer_that_drafts_on_the_host_gets_no_drafting_plan_ahead():
-    s = planner(drafts_ahead=False)
-    s.add(request("a", 5))
-    commit_all(s, s.schedule())
-    decode = s.schedule()
+@pytest.mark.parametrize("kw", [{"drafts_ahead": False}, {"async_scheduling": False}],
+                         ids=["a proposer drafting on the host", "async scheduling off"])
+def test_where_the_planner_must_not_plan_ahead_the_policy_still_chooses_during_the_step(kw):
+    s, _, decode = one_decoding(**kw)
     assert s.schedule(decode) is None and s.chosen[0] == {"a": 2}
 
 
@@ -121,11 +123,3 @@ def test_waiting_prompts_that_fit_whole_go_before_drafts():
     s.add(request("b", 12))
     plan = s.schedule()  # 1 (a's token) + 12 (b's whole prompt) leaves 3 for a's drafts
     assert plan.num_new_tokens == [1, 12] and plan.draft_lens == [3, 0]
-
-
-def test_without_async_scheduling_the_policy_still_chooses_while_the_step_runs():
-    s = planner(async_scheduling=False)
-    s.add(request("a", 5))
-    commit_all(s, s.schedule())
-    decode = s.schedule()
-    assert s.schedule(decode) is None and s.chosen[0] == {"a": 2}

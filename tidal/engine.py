@@ -59,7 +59,7 @@ class EngineCore:
         spec = config.speculative_config
         self.speculation = Speculation(spec) if spec else None
         self.runner = ModelRunner(config, self.model_config, self.max_model_len,
-                                  spec.num_speculative_tokens if spec else 0)
+                                  self.speculation.max_draft_len if spec else 0)
         if self.runner.device.type == "cuda":
             compile_watch.start_up()
         proposer = self.speculation.attach(self.runner, self.model_config) if spec else None

@@ -221,7 +221,7 @@ class ModelRunner:
         logit_index = [] if every_token else [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i])
                                                for i in rows for j in range(width)]
         counters = [reqs[i].num_output_tokens + (ahead.commits[i] if ahead else 0) for i in rows]
-        ks = [plan.draft_lens[i] for i in rows]
+        ks = [plan.draft_lens[i] for i in rows] if width > 1 else []  # (at W = 1, none to copy)
         subset = rows if width > 1 and len(rows) < len(reqs) else []
         logit_index, counters, ks, subset = to_device_parts([logit_index, counters, ks, subset], torch.int64,
                                                             self.device)

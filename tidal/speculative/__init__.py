@@ -17,9 +17,12 @@ class Speculation:
 
     def __init__(self, config: SpecConfig):
         self.config = config
-        self.max_draft_len = config.num_speculative_tokens
         self.proposer: Proposer | None = None
         self.cost_model: CostModel | None = None
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.config.num_speculative_tokens
 
     @property
     def profiles_costs(self) -> bool:

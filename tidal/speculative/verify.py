@@ -22,7 +22,7 @@ from tidal.layers.sampler import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, 
 def verify(
     target_logits: torch.Tensor,       # [B, W, V] float32
     draft_tokens: torch.Tensor,        # [B, W - 1] int64, row i valid up to draft_lens[i]
-    draft_lens: torch.Tensor,          # [B] int64, K_i in [0, W - 1]
+    draft_lens: torch.Tensor,          # [B] int64, K_i in [0, W - 1] (not read at W = 1)
     st: SamplingTensors,               # one row per request
     counters: torch.Tensor,            # [B] int64, output index of the token after the last committed one
 ) -> tuple[torch.Tensor, torch.Tensor]:
