@@ -81,47 +81,75 @@ class Scheduler:
         has a row that does not sample, pages would have to be taken back, the first waiting
         prompt would be chunked) there is no plan (None); the policy's K are chosen all the
         same, while the device runs, and the plan made after the commit takes them."""
-        draft_lens, note = self._choose(in_flight)
-        rows = [(r, r.num_computed, r.num_tokens) for r in self.running] if in_flight is None else \
-            self._rows_ahead(in_flight, draft_lens)
-        if rows is None:
-            self.chosen = (draft_lens, note) if draft_lens else None  # (none chosen: the plan chooses)
-            return None
+        after = self._after(in_flight) if in_flight is not None else {}
+        draft_lens, note = self._choose(in_flight, after)
+        if in_flight is None:
+            rows, prompt_tokens = [(r, r.num_computed, r.num_tokens) for r in self.running], None
+        else:
+            ahead = self._rows_ahead(in_flight, after, draft_lens)
+            if ahead is None:
+                self.chosen = (draft_lens, note) if draft_lens else None  # (none chosen: the plan chooses)
+                return None
+            rows, prompt_tokens = ahead
         ps = self.pool.page_size
-        budget, ends = self.max_num_batched_tokens, []
-        plan = StepPlan([], [], [], note)
+        budget, free = self.max_num_batched_tokens, self.pool.num_free  # (free: read again after a preemption)
+        requests, num_new_tokens, ends = [], [], []
         for req, start, known in rows:
             if budget == 0 or req.status is not Status.RUNNING:  # (preempted for an earlier row)
                 break
             num_new = min(known - start, budget)
             need = pages_for(start + num_new, ps) - len(req.pages)
-            while need > self.pool.num_free and self.running[-1] is not req:
-                self._preempt(self.running.pop())
-            if need > self.pool.num_free:
-                self.running.pop()
-                self._preempt(req)
-                break
-            req.pages += self.pool.allocate(need) if need > 0 else []
-            plan.requests.append(req)
-            plan.num_new_tokens.append(num_new)
-            plan.draft_lens.append(0)
+            if need > 0:  # (most rows' next token fits in their last page)
+                while need > free and self.running[-1] is not req:
+                    self._preempt(self.running.pop())
+                    free = self.pool.num_free
+                if need > free:
+                    self.running.pop()
+                    self._preempt(req)
+                    free = self.pool.num_free
+                    break
+                req.pages += self.pool.allocate(need)
+                free -= need
+            requests.append(req)
+            num_new_tokens.append(num_new)
             ends.append(start + num_new)
             budget -= num_new
-        room = budget - (self._whole_prompts(budget) or 0)
-        for i, (req, end) in enumerate(zip(plan.requests, ends)):
-            k = min(draft_lens.get(req.request_id, 0), room)
-            need = pages_for(end + k, ps) - len(req.pages) if k else 0
-            if k and need <= self.pool.num_free:
-                req.pages += self.pool.allocate(need) if need > 0 else []
-                plan.draft_lens[i] = k
-                room -= k
-                budget -= k
+        ks = [0] * len(requests)
+        if draft_lens:  # in the budget that waiting prompts fitting whole leave, and in free pages
+            if prompt_tokens is None:
+                prompt_tokens = self._whole_prompts(budget) or 0
+            room = budget - prompt_tokens
+            for i, (req, end) in enumerate(zip(requests, ends)):
+                k = min(draft_lens.get(req.request_id, 0), room)
+                need = pages_for(end + k, ps) - len(req.pages) if k else 0
+                if k and need <= free:
+                    if need > 0:
+                        req.pages += self.pool.allocate(need)
+                        free -= need
+                    ks[i] = k
+                    room -= k
+                    budget -= k
+        plan = StepPlan(requests, num_new_tokens, ks, note)
         self._admit(plan, budget, whole=in_flight is not None)
         return plan
 
-    def _rows_ahead(self, in_flight: StepPlan, draft_lens: dict[str, int]) -> list[tuple[Request, int, int]] | None:
+    def _after(self, in_flight: StepPlan) -> dict[Request, int]:
+        """The requests that surely run on after the step `in_flight`, each with the most
+        tokens it commits there (1 + K): those whose rows sample (a decode, or a prompt's last
+        chunk) and that are not at their max_tokens then, nor possibly past max_model_len.
+        Empty where nothing reads it: no K to choose, and no plan made ahead."""
+        if not (self.max_draft_len or self.plans_ahead):
+            return {}
+        max_len = self.max_model_len
+        return {r: 1 + k for r, n, k in zip(in_flight.requests, in_flight.num_new_tokens, in_flight.draft_lens)
+                if r.num_computed + n == r.num_tokens  # (it samples)
+                and r.num_output_tokens + 1 < r.params.max_tokens and r.num_tokens + 1 + k < max_len}
+
+    def _rows_ahead(self, in_flight: StepPlan, after: dict[Request, int],
+                    draft_lens: dict[str, int]) -> tuple[list[tuple[Request, int, int]], int] | None:
         """The rows of a plan made while `in_flight` runs: (request, where its next token
-        goes, tokens it knows then), as if every draft there were accepted. None where that
+        goes, tokens it knows then), as if every draft there were accepted; and the tokens of
+        the waiting prompts that fit whole beside them (`_whole_prompts`). None where that
         step's outcome could change the plan, or the planner must not plan ahead of it
         (async scheduling off; a proposer that drafts from tokens on the host)."""
         if not (self.plans_ahead and in_flight.samples_every_row):
@@ -132,17 +160,16 @@ class Scheduler:
                 if not r.finished]
         if [r for r, _, _ in rows] != self.running:  # (requests compare by identity)
             return None
-        rows = [(r, r.num_computed + n + k, r.num_tokens + 1 + k) for r, n, k in rows if self._goes_on(r, 1 + k)]
-        ps = self.pool.page_size
-        if (not rows or self._whole_prompts(self.max_num_batched_tokens - len(rows)) is None
-                or sum(max(pages_for(start + 1, ps) - len(r.pages), 0) for r, start, _ in rows) > self.pool.num_free):
+        rows = [(r, r.num_computed + n + k, r.num_tokens + 1 + k) for r, n, k in rows if r in after]
+        if not rows:
             return None
-        return rows
-
-    def _goes_on(self, req: Request, commits: int) -> bool:
-        """Whether `req` surely runs on after a step that commits up to `commits` tokens for
-        it (not at its max_tokens, nor possibly past max_model_len)."""
-        return req.num_output_tokens + 1 < req.params.max_tokens and req.num_tokens + commits < self.max_model_len
+        whole = self._whole_prompts(self.max_num_batched_tokens - len(rows))
+        if whole is None:
+            return None
+        ps = self.pool.page_size
+        if sum(max(pages_for(start + 1, ps) - len(r.pages), 0) for r, start, _ in rows) > self.pool.num_free:
+            return None
+        return rows, whole
 
     def _whole_prompts(self, budget: int) -> int | None:
         """Tokens of the waiting requests, first come first served, whose whole prompts fit in
@@ -182,30 +209,28 @@ class Scheduler:
             plan.draft_lens.append(0)
             budget -= num_new
 
-    def _choose(self, in_flight: StepPlan | None) -> tuple[dict[str, int], object]:
+    def _choose(self, in_flight: StepPlan | None, after: dict[Request, int]) -> tuple[dict[str, int], object]:
         """K per decoding request (by id), from the policy, and its note on the choice; once
         a step: with `in_flight`, for the step after it, counting what it may commit as
-        committed (and its prompt chunks as fed, for `prefill_demand`); without, the K chosen
-        while the step before ran, if any. A prompt whose last chunk is in flight starts at
-        K = 0: its state does not show yet what its drafter would have to absorb."""
+        committed (`after`) and its prompt chunks as fed (for `prefill_demand`); without, the
+        K chosen while the step before ran, if any. A prompt whose last chunk is in flight
+        starts at K = 0: its state does not show yet what its drafter would have to absorb."""
         if in_flight is None and self.chosen is not None:
             chosen, self.chosen = self.chosen, None
             return chosen
         if not self.max_draft_len:
             return {}, None
-        commits, fed = {}, {}
-        if in_flight is not None:
-            for i, (r, n, k) in enumerate(zip(in_flight.requests, in_flight.num_new_tokens, in_flight.draft_lens)):
-                if n == 1 and in_flight.samples(i):
-                    commits[r] = 1 + k
-                elif n > 1:  # (a row fed one token is a decode, or a prompt's last token)
-                    fed[r] = n
-        in_plan = set(in_flight.requests) if in_flight is not None else ()
-        decoding = [r for r in self.running if (self._goes_on(r, commits[r]) if r in commits
-                                                else r not in in_plan and r.num_computed == r.num_tokens - 1)]
+        fed, in_plan = {}, ()
+        if in_flight is not None:  # (a row fed one token is a decode, or a prompt's last token)
+            fed = {r: n for r, n in zip(in_flight.requests, in_flight.num_new_tokens) if n > 1}
+            in_plan = set(in_flight.requests)
+        # Decoding: a decode in flight whose request runs on after it, or a running request
+        # not in that step that decodes.
+        decoding = [r for r in self.running if r in after and r not in fed
+                    or r not in in_plan and r.num_computed == r.num_tokens - 1]
         if not decoding:
             return {}, None
-        pending = [commits.get(r, 0) for r in decoding]
+        pending = [after.get(r, 0) for r in decoding]
         # A request can commit at most K + 1 tokens; drafting past its end is waste.
         limits = [max(0, min(self.max_draft_len,
                              r.params.max_tokens - r.num_output_tokens - n - 1,
