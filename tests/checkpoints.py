@@ -11,13 +11,15 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3moe", "mixtral")
 
 _CLASSES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
@@ -84,11 +86,14 @@ def make_checkpoint(
     tokenizer: bool = True,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    norm_topk_prob: bool = False,
 ) -> Path:
     """Write a random `arch` model (Hugging Face layout) to out_dir and return it.
 
     llama gets llama3 rope scaling with a short original context, so the scaling matters
-    at test lengths. `sharded` saves several safetensors files plus an index."""
+    at test lengths. `sharded` saves several safetensors files plus an index. qwen3moe has
+    8 experts, 2 per token, a dense first layer (`mlp_only_layers`) and `norm_topk_prob` as
+    given; mixtral 4 experts, 2 per token."""
     config_cls, model_cls = _CLASSES[arch]
     kwargs = dict(
         vocab_size=vocab_size,
@@ -114,8 +119,13 @@ def make_checkpoint(
             "original_max_position_embeddings": 64,
             "rope_theta": 10000.0,
         }
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
+    if arch == "qwen3moe":
+        kwargs.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden_size // 2,
+                      decoder_sparse_step=1, mlp_only_layers=[0], norm_topk_prob=norm_topk_prob)
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=hidden_size)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kwargs))
     randomize_(model, seed)

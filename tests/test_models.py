@@ -113,8 +113,9 @@ def test_chunked_prefill_and_decode_match_transformers(checkpoint, arch):
     torch.testing.assert_close(logits[2][-1], hf_logits(reference, PROMPTS[2] + [next_tokens[1]])[-1], atol=ATOL, rtol=0)
 
 
-def test_greedy_decode_matches_transformers_generate(checkpoint):
-    path = checkpoint("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "mixtral"])
+def test_greedy_decode_matches_transformers_generate(checkpoint, arch):
+    path = checkpoint(arch)
     model = load_model(path, torch.float32, "cpu", TorchAttention())
     prompt = PROMPTS[1]
     expected = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
@@ -142,6 +143,89 @@ def test_aux_hidden_states_match_transformers(checkpoint, arch):
             states = reference(torch.tensor([prompt]), output_hidden_states=True).hidden_states
         for k, layer in enumerate(model.aux_layer_ids):
             torch.testing.assert_close(got[:, k * H : (k + 1) * H], states[layer + 1][0], atol=ATOL, rtol=0)
+
+
+def stacked_experts(path, out):
+    """A copy of the MoE checkpoint at `path` whose experts are stacked as transformers 5
+    holds them in memory (model.layers.N.mlp.experts.gate_up_proj [E, 2I, H], down_proj
+    [E, H, I], router model.layers.N.mlp.gate.weight)."""
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    tensors = load_file(out / "model.safetensors")
+    parts = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    per_expert = {}
+    for name in [n for n in tensors if ".experts." in n or "block_sparse_moe.gate" in n]:
+        tensor = tensors.pop(name)
+        layer = name.split(".")[2]
+        if name.endswith("gate.weight"):
+            tensors[f"model.layers.{layer}.mlp.gate.weight"] = tensor
+            continue
+        expert, part = int(name.split(".")[-3]), name.split(".")[-2]
+        per_expert.setdefault((layer, parts.get(part, part)), {})[expert] = tensor
+    for layer in sorted({layer for layer, _ in per_expert}):
+        def stack(part):
+            experts = per_expert[(layer, part)]
+            return torch.stack([experts[e] for e in sorted(experts)])
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([stack("gate_proj"), stack("up_proj")], 1)
+        tensors[f"model.layers.{layer}.mlp.experts.down_proj"] = stack("down_proj")
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("variant", ["norm_topk_prob", "stacked-qwen3moe", "stacked-mixtral"])
+def test_moe_variants_match_transformers(tmp_path, checkpoint, variant):
+    """Qwen3-MoE with renormalised routing weights, and checkpoints whose experts are
+    stacked (transformers 5's own layout) instead of stored one by one."""
+    if variant == "norm_topk_prob":
+        path = make_checkpoint(tmp_path, "qwen3moe", norm_topk_prob=True)
+        assert ModelConfig.from_pretrained(path).norm_topk_prob
+        reference = hf_model(path)
+    else:
+        original = checkpoint(variant.removeprefix("stacked-"))
+        path, reference = stacked_experts(original, tmp_path / "stacked"), hf_model(original)
+    model = load_model(path, torch.float32, "cpu", TorchAttention())
+    logits, _ = Runner(model, len(PROMPTS)).step(PROMPTS, [0] * len(PROMPTS))
+    for prompt, got in zip(PROMPTS, logits):
+        torch.testing.assert_close(got, hf_logits(reference, prompt), atol=ATOL, rtol=0)
+
+
+def test_moe_routes_tokens_to_many_experts(checkpoint):
+    """The parity tests above mean something only if the tiny models' routers spread the
+    tokens (and renormalise where they should)."""
+    for arch in ("qwen3moe", "mixtral"):
+        model = load_model(checkpoint(arch), torch.float32, "cpu", TorchAttention())
+        moe = model.layers[1].mlp
+        weights, ids = moe.route(torch.randn(64, model.config.hidden_size))
+        assert len(ids.unique()) == model.config.num_experts
+        sums = weights.sum(-1)
+        if moe.norm_topk_prob:
+            torch.testing.assert_close(sums, torch.ones_like(sums))
+        else:
+            assert (sums < 1).all()
+
+
+def test_moe_config_fields(checkpoint):
+    qwen = ModelConfig.from_pretrained(checkpoint("qwen3moe"))
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.moe_intermediate_size) == (8, 2, 32)
+    assert qwen.moe_layer_ids == (1, 2, 3) and qwen.qk_norm and not qwen.norm_topk_prob
+    raw = json.loads((checkpoint("qwen3moe") / "config.json").read_text())
+    raw.update(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3], num_experts=raw.pop("num_local_experts"))
+    assert ModelConfig.from_dict(raw).moe_layer_ids == (1, 5)
+    mixtral = ModelConfig.from_pretrained(checkpoint("mixtral"))
+    assert mixtral.moe_layer_ids == (0, 1, 2, 3) and mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 64
+    assert ModelConfig.from_pretrained(checkpoint("llama")).moe_layer_ids == ()
+    raw["num_experts_per_tok"] = 9
+    with pytest.raises(ValueError, match="num_experts_per_tok 9"):
+        ModelConfig.from_dict(raw)
+
+
+def test_moe_checkpoint_with_a_wrong_expert_shape(tmp_path, checkpoint):
+    shutil.copytree(checkpoint("qwen3moe"), tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.2.mlp.experts.5.up_proj.weight"
+    tensors[name] = tensors[name][:-1]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"experts\.5\.up_proj.*shape mismatch"):
+        load_model(tmp_path, torch.float32, "cpu", TorchAttention())
 
 
 def test_checkpoint_tokenizer_fits_the_model(checkpoint):

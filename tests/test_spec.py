@@ -357,6 +357,27 @@ def continuation_counts(llm, n=800, top_k=3, max_tokens=3):
     return counts
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
+def test_speculation_on_a_moe_target_is_lossless(checkpoint, tmp_path, arch):
+    """A draft model (the MoE target's own first layers) and an EAGLE-3 head on a
+    Mixture-of-Experts target, K random per request and step: greedy outputs are the plain
+    ones, and so are seeded sampled ones (each position is the target's own seeded draw)."""
+    target = checkpoint(arch)
+    drafters = {"draft_model": truncated_drafter(target, tmp_path / "draft", 2),
+                "eagle3": str(make_eagle3_checkpoint(tmp_path / "eagle3", target))}
+    prompts = repetitive_prompts()
+    seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = LLM(model=target, page_size=4)
+    want_greedy, want_seeded = run(plain, prompts, greedy())[0], run(plain, prompts, seeded)[0]
+    for method, drafter in drafters.items():
+        llm = LLM(model=target, page_size=4, speculative_config={
+            "method": method, "model": drafter, "num_speculative_tokens": 3, "policy": "fixed"})
+        llm.engine.core.scheduler.policy = RandomPolicy(seed=5)
+        assert run(llm, prompts, greedy())[0] == want_greedy, f"{method} changed the greedy output"
+        assert run(llm, prompts, seeded)[0] == want_seeded, f"{method} changed the seeded output"
+        assert llm.engine.stats()["spec"]["num_drafted"] > 0
+
+
 ALPHA = 0.001  # significance level of the sampling-losslessness test
 
 

@@ -34,18 +34,27 @@ SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.01, max_t
                          logprobs=20)
 
 
-def dummy_plan(batch: int, context: int, k: int, num_pages: int, page_size: int, params=GREEDY,
-               num_new: int = 1) -> StepPlan:
+def dummy_plan(batch: int, context: int, k: int, runner, params=GREEDY, num_new: int = 1) -> StepPlan:
     """`batch` requests of `context` computed tokens, each feeding `num_new` tokens (the last
-    of its sequence, so it samples) plus k drafts."""
-    pages = -(-(context + num_new + k) // page_size)
+    of its sequence, so it samples) plus k drafts. The tokens are random, as served text's
+    are: a Mixture-of-Experts model routes them to its experts as it would real ones (one
+    token repeated would route every row to the same few, and price a step far too low)."""
+    ps = runner.page_size
+    pages = -(-(context + num_new + k) // ps)
+    tokens = random_tokens(runner, (batch, context + num_new)).tolist()
     reqs = []
     for i in range(batch):
-        req = Request(f"profile-{i}", None, [0] * (context + num_new), params, i, ())
+        req = Request(f"profile-{i}", None, tokens[i], params, i, ())
         req.num_computed = context
-        req.pages = [1 + (i * pages + p) % (num_pages - 1) for p in range(pages)]
+        req.pages = [1 + (i * pages + p) % (runner.num_pages - 1) for p in range(pages)]
         reqs.append(req)
     return StepPlan(reqs, [num_new] * batch, [k] * batch)
+
+
+def random_tokens(runner, shape: tuple[int, ...]) -> torch.Tensor:
+    """Token ids drawn from the model's vocabulary (seeded: every profile sees the same)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(runner.model.config.vocab_size, shape, generator=g)
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
@@ -89,14 +98,14 @@ def run_largest_steps(runner, proposer) -> None:
     catches every row up by K + 2."""
     config, ps = runner.config, runner.page_size
     budget = config.max_num_batched_tokens
-    prompt = dummy_plan(1, 0, 0, runner.num_pages, ps, SAMPLED, num_new=min(budget, runner.max_model_len - 1))
+    prompt = dummy_plan(1, 0, 0, runner, SAMPLED, num_new=min(budget, runner.max_model_len - 1))
     runner.launch(prompt).result()
     if proposer is None:
         b = verify_rows(config)
-        runner.launch(dummy_plan(b, ps, 0, runner.num_pages, ps, SAMPLED)).result()
+        runner.launch(dummy_plan(b, ps, 0, runner, SAMPLED)).result()
         return
     k = runner.max_draft_len
-    plan = dummy_plan(verify_rows(config), ps, k, runner.num_pages, ps, SAMPLED)
+    plan = dummy_plan(verify_rows(config), ps, k, runner, SAMPLED)
     # One row that missed a budget's worth, or all that max_model_len leaves beside its drafts
     # (the model has no positions past it); it takes the pages after the others'.
     first = plan.requests[0]
@@ -204,16 +213,16 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
     ctx = runner.page_size
 
     def run_target(b, w, context=ctx):
-        plan = dummy_plan(b, context, w - 1, runner.num_pages, runner.page_size)
+        plan = dummy_plan(b, context, w - 1, runner)
         drafts = None
         if w > 1:
-            drafts = Drafts(torch.zeros(b, w - 1, dtype=torch.int64, device=runner.device), [w - 1] * b)
+            drafts = Drafts(random_tokens(runner, (b, w - 1)).to(runner.device), [w - 1] * b)
         return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 
     def run_proposer(b, k, backlog=1):
         """The proposer on b rows whose drafter has `backlog` tokens to absorb first."""
         context = max(ctx, backlog)
-        plan = dummy_plan(b, context, k, runner.num_pages, runner.page_size)
+        plan = dummy_plan(b, context, k, runner)
 
         def propose():
             for r in plan.requests:

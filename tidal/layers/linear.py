@@ -50,7 +50,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     copy_checked(param.data, loaded)
 
 
-def _split(size: int, tp_size: int, what: str) -> int:
+def split_size(size: int, tp_size: int, what: str) -> int:
     if size % tp_size:
         raise ValueError(f"{what} {size} is not divisible by the tensor-parallel size {tp_size}")
     return size // tp_size
@@ -93,7 +93,7 @@ class MergedColumnLinear(Linear):
         shard_ids: Sequence[Hashable] | None = None,
     ):
         rank, tp_size = tp_rank_size()
-        self.local_sizes = [_split(s, tp_size, "output size") for s in output_sizes]
+        self.local_sizes = [split_size(s, tp_size, "output size") for s in output_sizes]
         super().__init__(in_features, sum(self.local_sizes), bias)
         self.shard_ids = tuple(shard_ids if shard_ids is not None else range(len(output_sizes)))
 
@@ -109,7 +109,7 @@ class RowLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         _, tp_size = tp_rank_size()
-        super().__init__(_split(in_features, tp_size, "input size"), out_features, bias)
+        super().__init__(split_size(in_features, tp_size, "input size"), out_features, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if param.dim() == 2:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tidal.layers.rotary import SUPPORTED_ROPE_TYPES
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str
+    # Mixture of experts (num_experts 0: a dense model): the layers whose MLP is a router over
+    # num_experts SwiGLU experts of width moe_intermediate_size, num_experts_per_tok per token.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False     # renormalise the top-k routing weights to sum to one
+    moe_layer_ids: tuple[int, ...] = ()
 
     @staticmethod
     def from_pretrained(model_dir: str | Path) -> "ModelConfig":
@@ -71,6 +79,7 @@ class ModelConfig:
         if window and raw.get("use_sliding_window", True):
             max_positions = min(max_positions, window)
         return ModelConfig(
+            **_parse_moe(arch, raw),
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -85,11 +94,36 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=_merge_ids(raw.get("eos_token_id"), (generation or {}).get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or "float32",
         )
+
+
+def _parse_moe(arch: str, raw: dict) -> dict:
+    """The expert fields: Mixtral's every layer is sparse, its experts as wide as
+    `intermediate_size`, its routing weights renormalised; Qwen3-MoE's layer i is sparse
+    unless listed in `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`
+    (those keep a dense MLP of `intermediate_size`)."""
+    num_layers = raw["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        moe = dict(num_experts=raw["num_local_experts"], moe_intermediate_size=raw["intermediate_size"],
+                   norm_topk_prob=True, moe_layer_ids=tuple(range(num_layers)))
+    elif arch == "Qwen3MoeForCausalLM":
+        # (transformers 5 writes the expert count as num_local_experts; published configs as num_experts)
+        num_experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+        moe = dict(num_experts=num_experts, moe_intermediate_size=raw["moe_intermediate_size"],
+                   norm_topk_prob=bool(raw.get("norm_topk_prob")),
+                   moe_layer_ids=tuple(i for i in range(num_layers)
+                                       if num_experts and i not in dense and (i + 1) % step == 0))
+    else:
+        return {}
+    top_k = raw["num_experts_per_tok"]
+    if moe["moe_layer_ids"] and not 0 < top_k <= moe["num_experts"]:
+        raise ValueError(f"num_experts_per_tok {top_k} must be in [1, num_experts = {moe['num_experts']}]")
+    return {**moe, "num_experts_per_tok": top_k}
 
 
 def _parse_rope(raw: dict) -> tuple[float, dict | None]:

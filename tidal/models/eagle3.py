@@ -130,7 +130,9 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]
 
-    def checkpoint_names(self, name: str) -> list[tuple[str, object]]:
+    def checkpoint_names(self, name: str, available: set[str]) -> list[tuple[str, object]]:
+        """The checkpoint tensors (and shard ids) of parameter `name` (the published layout
+        has one, so `available` is not consulted)."""
         if name.startswith("embed_tokens.") and self.shares_embedding:
             return []
         if name.startswith(("self_attn.", "mlp.", "input_layernorm.", "hidden_norm.", "post_attention_layernorm.")):

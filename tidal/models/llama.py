@@ -1,4 +1,6 @@
-"""One decoder for the Llama family: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norm), Mistral.
+"""One decoder for the Llama family: Llama, Qwen2 (q/k/v bias), Qwen3 (q/k norm), Mistral,
+and their Mixture-of-Experts kin, Qwen3-MoE and Mixtral (a router over SwiGLU experts in
+place of the MLP, in the layers the config names).
 
 Tokens of all requests run flat ([T, H]); attention is delegated to an AttentionBackend
 that reads and writes the paged KV cache described by the ForwardBatch. The residual
@@ -15,6 +17,7 @@ from tidal.attention.base import AttentionBackend
 from tidal.batch import ForwardBatch
 from tidal.layers.activation import SiluAndMul
 from tidal.layers.linear import Linear, MergedColumnLinear, RowLinear, one_token_on_cuda
+from tidal.layers.moe import SparseMoE
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
@@ -74,12 +77,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn: AttentionBackend):
+    def __init__(self, config: ModelConfig, attn: AttentionBackend, sparse: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, attn)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        if sparse:
+            self.mlp = SparseMoE(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                                 config.moe_intermediate_size, config.norm_topk_prob)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, hidden, residual, rotary, batch, kv_cache):
         """(hidden, residual) -> (hidden, residual); the stream after the layer is their sum.
@@ -117,7 +124,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(config, attn) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, attn, i in config.moe_layer_ids)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.rotary = RotaryEmbedding(
@@ -148,8 +156,35 @@ class CausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
-    def checkpoint_names(self, name: str) -> list[tuple[str, object]]:
-        """The checkpoint tensors (and shard ids) that parameter `name` is loaded from."""
+    def checkpoint_names(self, name: str, available: set[str]) -> list[tuple[str, object]]:
+        """The checkpoint tensors (and shard ids) that parameter `name` is loaded from, given
+        the names the checkpoint has (`available`: experts are stored one by one or stacked)."""
         if name.startswith("lm_head."):
             return [(name, None)]
+        if ".mlp.experts." in name or ".mlp.gate." in name:
+            return _expert_checkpoint_names("model." + name, self.config, available)
         return [("model." + n, shard) for n, shard in fused_checkpoint_names(name)]
+
+
+# Per-expert checkpoint names of the stacked gate|up (with its halves) and down projections.
+_EXPERT_PARTS = {
+    "MixtralForCausalLM": ("block_sparse_moe", [("w1", 0), ("w3", 1)], "w2"),
+    "Qwen3MoeForCausalLM": ("mlp", [("gate_proj", 0), ("up_proj", 1)], "down_proj"),
+}
+
+
+def _expert_checkpoint_names(name: str, config: ModelConfig, available: set[str]) -> list[tuple[str, object]]:
+    """`name` is model.layers.N.mlp.{gate.weight, experts.gate_up_proj, experts.down_proj}.
+    A checkpoint that holds the stacked tensor under that name (transformers 5's own layout)
+    loads it whole; else the experts one by one, under the family's published names
+    (Mixtral's router and experts live in `block_sparse_moe`)."""
+    if name in available:
+        return [(name, None)]
+    block, gate_up, down = _EXPERT_PARTS[config.architecture]
+    prefix = name.split(".mlp.")[0] + f".{block}."
+    if name.endswith(".gate.weight"):
+        return [(prefix + "gate.weight", None)]
+    experts = range(config.num_experts)
+    if name.endswith(".gate_up_proj"):
+        return [(f"{prefix}experts.{e}.{part}.weight", (e, half)) for e in experts for part, half in gate_up]
+    return [(f"{prefix}experts.{e}.{down}.weight", e) for e in experts]

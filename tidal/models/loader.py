@@ -95,8 +95,8 @@ def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
 def load_weights(module: nn.Module, model_dir: str | Path) -> None:
     """Fill every parameter and persistent buffer of `module` from the checkpoint.
 
-    `module.checkpoint_names(name)` lists the checkpoint tensors (with shard ids) a
-    parameter is made of; each goes through the parameter's `weight_loader` (plain copy
+    `module.checkpoint_names(name, available)` lists the checkpoint tensors (with shard
+    ids) a parameter is made of, given the names the checkpoint has; each goes through the parameter's `weight_loader` (plain copy
     if it has none). Checkpoint tensors nobody asks for are ignored (e.g. lm_head.weight
     of a tied model); a tensor that is asked for and absent is a ValueError."""
     with ExitStack() as stack:
@@ -106,7 +106,7 @@ def load_weights(module: nn.Module, model_dir: str | Path) -> None:
             where.update(dict.fromkeys(f.keys(), f))
         for name, param in module.state_dict(keep_vars=True).items():
             loader = getattr(param, "weight_loader", None)
-            for ckpt_name, shard_id in module.checkpoint_names(name):
+            for ckpt_name, shard_id in module.checkpoint_names(name, where.keys()):
                 if ckpt_name not in where:
                     raise ValueError(f"checkpoint {model_dir} is missing tensor {ckpt_name!r}")
                 tensor = where[ckpt_name].get_tensor(ckpt_name)
