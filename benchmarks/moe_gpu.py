@@ -237,7 +237,7 @@ def main():
 
         def dense_plain():
             llm = LLM(model=str(dense_dir), **common)
-            llm.generate(one, greedy(8), use_tqdm=False)
+            llm.generate(random_prompts(1, prompt_len, dense_shape["vocab_size"]), greedy(8), use_tqdm=False)
             speed["dense_weights"] = bytes_per_decode_step(llm.engine.core.runner.model)
             speed["dense_step_s"] = step_costs(llm)
             del llm
