@@ -179,6 +179,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds after which sections are skipped")
     ap.add_argument("--hf-seconds", type=float, default=60.0)
+    ap.add_argument("--skip", nargs="*", default=[], help="sections not to run (correctness, moe_plain, ...)")
     args = ap.parse_args()
     begin = time.perf_counter()
     device = "cpu" if args.smoke else "cuda"
@@ -195,6 +196,8 @@ def main():
                   max_model_len=256 if args.smoke else 2048, max_num_seqs=batch)
 
     def section(name, fn):
+        if name in args.skip:
+            return
         if time.perf_counter() - begin > args.deadline:
             results["skipped"].append(name)
             print(f"[{name}] skipped: past the deadline", flush=True)
