@@ -51,7 +51,8 @@ class Experts(nn.Module):
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """`loaded` is all experts' gate|up [E, 2I, H] (shard_id None), or expert e's gate
         (shard_id (e, 0)) or up ((e, 1)) [I, H]."""
-        width, start = param.shape[1] // 2, self.tp_rank * param.shape[1] // 2
+        width = param.shape[1] // 2
+        start = self.tp_rank * width
         if shard_id is None:
             _check_shape(loaded, (param.shape[0], 2 * self.full_width, param.shape[2]))
             for half, part in enumerate(loaded.chunk(2, dim=1)):
