@@ -295,9 +295,10 @@ def host_phases(llm, prompts, new_tokens):
     return per_step_us(calls)
 
 
-def where_time_goes(llm, prompts, steps=24):
+def where_time_goes(llm, prompts, steps=24, top_kernels=8):
     """Decode steps under the torch profiler: wall time per step, the GPU's busy time in it
-    (kernel durations summed; the rest is the GPU waiting on the host), and the top kernels."""
+    (kernel durations summed; the rest is the GPU waiting on the host or between kernels),
+    the kernels a step launches, and the top kernels (ms and launches per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
@@ -319,11 +320,13 @@ def where_time_goes(llm, prompts, steps=24):
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.self_device_time_total for e in kernels) / 1e3 / steps  # us -> ms
-    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:8]
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:top_kernels]
     host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                   key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": wall * 1e3, "gpu_busy_ms": busy, "gpu_idle_ms": wall * 1e3 - busy,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
             "top_kernels_ms_per_step": {e.key[:80]: e.self_device_time_total / 1e3 / steps for e in top},
+            "top_kernels_per_step": {e.key[:80]: e.count / steps for e in top},
             "top_host_ops_ms_per_step": {e.key[:80]: (e.self_cpu_time_total / 1e3 / steps, e.count // steps)
                                          for e in host}}
 

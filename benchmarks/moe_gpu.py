@@ -11,7 +11,8 @@ weights a decode step reads, the router's 8 experts of 128 per layer, at the mea
 bandwidth); an EAGLE-3-shaped head with SIMULATED acceptance 0.7 at K = 4 against plain at
 batch 1; the cost of one step by tokens in it (M decode rows, and one row of width w) beside
 a Llama-3.1-8B shape's; offline 256 x (128 in, 128 out) against transformers' generate in the
-same run (its run is cut at `--hf-seconds`; its decode rate excludes its prefill). Routing of
+same run (its run is cut at `--hf-seconds`; its decode rate excludes its prefill); where a
+batch-1 decode step's time goes (torch profiler: kernels, launches, GPU busy vs idle). Routing of
 random weights is near uniform, the worst case for the union of experts a step reads.
 Sections run in that order and each is skipped once `--deadline` seconds have passed. Prints
 a table last; writes JSON to $OUT/moe_gpu.json.
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 
 from common import LLAMA_8B, QWEN3_30B_A3B, SMOKE, SMOKE_MOE, write_eagle_dir, write_model_dir
-from gpu_fastpath import decode_rate, free_memory, greedy, random_prompts
+from gpu_fastpath import decode_rate, free_memory, greedy, random_prompts, where_time_goes
 from tidal import LLM
 from tidal.profiling import dummy_plan, random_tokens, timed
 from tidal.step import Drafts
@@ -223,6 +224,7 @@ def main():
             llm.generate(one, greedy(8), use_tqdm=False)  # warm up
             speed["moe_weights"] = bytes_per_decode_step(llm.engine.core.runner.model)
             speed["moe_b1"] = decode_rate(llm, one, b1_tokens)
+            speed["moe_b1_profile"] = where_time_goes(llm, one, top_kernels=24)
             speed["moe_step_s"] = step_costs(llm)
             speed["moe_offline"] = decode_rate(llm, many, new_tokens)
             del llm
@@ -262,6 +264,12 @@ def main():
         s["moe_b1_floor_tok_s"] = floor
         rows.append(("MoE batch 1: decode tok/s / floor (active weights at copy bandwidth)",
                      f"{s['moe_b1']['decode_tok_s']:.0f} / {floor:.0f} = {s['moe_b1']['decode_tok_s'] / floor:.2f}"))
+    if "moe_b1_profile" in s:
+        prof = s["moe_b1_profile"]
+        rows.append(("MoE batch 1 under the profiler: step ms, GPU busy ms, kernels per step",
+                     f"{prof['step_ms']:.2f}, {prof['gpu_busy_ms']:.2f}, {prof['kernels_per_step']:.0f}"))
+        for name, ms in list(prof["top_kernels_ms_per_step"].items())[:12]:
+            rows.append((f"  {name[:60]}", f"{ms * 1e3:.0f} us, {prof['top_kernels_per_step'][name]:.0f} launches"))
     if "moe_eagle3_sim07_k4_b1" in s and "moe_b1" in s:
         rows.append(("MoE batch 1: EAGLE-3 sim 0.7 K=4 / plain (decode tok/s)",
                      f"{s['moe_eagle3_sim07_k4_b1']['decode_tok_s'] / s['moe_b1']['decode_tok_s']:.2f}x"))

@@ -10,8 +10,8 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from tidal.layers.fused_moe import _group_by_expert, fused_moe  # noqa: E402
-from tidal.layers.moe import experts_reference  # noqa: E402
+from tidal.layers.fused_moe import _group_by_expert, fused_moe, route  # noqa: E402
+from tidal.layers.moe import experts_reference, route_reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("bf16_rounds_to_nearest")
 
@@ -110,6 +110,29 @@ def test_group_by_expert_many_chunks():
     padding = pair_ids.numel() - len(expected)
     assert pair_ids.tolist() == expected + [flat.numel()] * padding
     assert block_expert.tolist() == expected_experts + [experts] * (padding // block_m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (12, 4), (16, 8)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_matches_reference(dtype, experts, top_k, renormalize):
+    """The router kernel picks the reference's experts in its order (E not a power of two
+    too) with the same weights. The logits are distinct (quarters, exact in bf16): how
+    torch.topk orders ties is unspecified."""
+    gen = torch.Generator().manual_seed(experts)
+    logits = (torch.stack([torch.randperm(experts, generator=gen) for _ in range(37)]) / 4 - 1).to(dtype)
+    weights, ids = route(logits, top_k, renormalize)
+    expected_weights, expected_ids = route_reference(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long(), expected_ids)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-6, rtol=1e-6)
+
+
+def test_route_ties_go_to_the_first_expert():
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0, 1.0]])
+    weights, ids = route(logits, 3, renormalize=False)
+    assert ids.tolist() == [[1, 3, 2]]
+    assert weights[0, 0] == weights[0, 1] > weights[0, 2]
 
 
 def test_reference_matches_transformers():

@@ -1,8 +1,8 @@
 """Mixture-of-Experts MLP: a softmax top-k router over experts that are SwiGLU MLPs.
 
 The experts' weights are stacked, gate|up [E, 2I, H] and down [E, H, I], so that on CUDA one
-fused kernel runs every expert a step routes to (`fused_moe`, two grouped-GEMM launches,
-CUDA-graph capturable); elsewhere `experts_reference` loops over the experts hit, the
+fused kernel runs every expert a step routes to (`fused_moe`: two launches, CUDA-graph
+capturable); elsewhere `experts_reference` loops over the experts hit, the
 kernel's oracle. Checkpoints store experts one by one (Qwen3-MoE's gate/up/down_proj,
 Mixtral's w1/w3/w2) or stacked as transformers 5 holds them; both load. Under tensor
 parallelism each expert is split as a dense MLP is (gate/up by rows, down by columns) and the
@@ -33,6 +33,16 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = F.linear(F.silu(gate) * up, w2[expert]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k of the softmax over all experts (in float32), renormalised to sum to one when
+    `renormalize`: the router's torch ops, and the oracle of its kernel (`fused_moe.route`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
 
 
 class Experts(nn.Module):
@@ -101,11 +111,12 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for tokens x [T, H]."""
-        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+        logits = self.gate(x)
+        if logits.is_cuda:
+            from tidal.layers.fused_moe import route
+
+            return route(logits, self.top_k, self.norm_topk_prob)
+        return route_reference(logits, self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.experts(x, *self.route(x))
