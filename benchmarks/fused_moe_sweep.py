@@ -1,10 +1,11 @@
-"""The fused MoE kernels alone, at Qwen3-30B-A3B's shape (E = 128, k = 8, H = 2048, I = 768,
-bf16), by tokens in the step: the experts as GEMVs (several tile shapes) against the grouped
-GEMMs, and the router's torch ops against its one kernel. Each variant runs over 8 layers of
-distinct weights in one CUDA graph, so the weights come from HBM as in a model's step, not
-from L2; times are per layer. Against it, the floor: the distinct experts' bytes at the copy
-bandwidth. Checks each path against the torch reference first. Prints a table; writes JSON
-to $OUT/fused_moe_sweep.json.
+"""The kernels of a Qwen3-30B-A3B-shaped decode step alone (E = 128, k = 8, H = 2048, I = 768,
+bf16), by tokens in the step: the fused MoE's grouped GEMMs with the tiles `_config` picks
+and with others, the router's torch ops against its one kernel, and `fused.gemv` (batch 1's
+products) at the attention's and router's shapes with other tiles, beside cuBLAS. Each
+variant runs over 8 layers of distinct weights in one CUDA graph, so weights come from HBM
+as in a model's step, not from L2; times are per layer. Against them, the floor: the bytes
+read at the copy bandwidth. Checks each variant against the torch reference first. Prints
+tables; writes JSON to $OUT/fused_moe_sweep.json.
 
     PYTHONPATH=. python benchmarks/fused_moe_sweep.py
 """
@@ -17,12 +18,21 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from tidal.layers.fused_moe import _experts_gemv, _experts_grouped, route
+from tidal.layers import fused
+from tidal.layers.fused_moe import _config, fused_moe, route
 from tidal.layers.moe import experts_reference, route_reference
 
 LAYERS = 8
-GEMV_TILES = ((1, 512), (1, 256), (2, 256), (4, 256), (4, 128))  # (BLOCK_N, BLOCK_K)
+# Grouped-GEMM tiles tried at decode sizes: (BLOCK_N, BLOCK_K, num_warps, num_stages), BLOCK_M 16.
+TILES = ((32, 128, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4), (32, 64, 4, 6),
+         (64, 256, 8, 3), (128, 128, 8, 3))
+# fused.gemv tiles (BLOCK_N, BLOCK_K) at batch 1's product shapes (N, K): the MoE's q|k|v, o and
+# router, and Llama-8B's four for comparison.
+GEMV_TILES = ((1, 512), (1, 1024), (2, 512), (4, 256), (4, 512), (8, 256))
+GEMV_SHAPES = {"moe qkv": (5120, 2048), "moe o": (2048, 4096), "moe router": (128, 2048),
+               "8B qkv": (6144, 4096), "8B o": (4096, 4096), "8B gate_up": (28672, 4096), "8B down": (4096, 14336)}
 
 
 def graph_us(fn, reps: int = 20) -> float:
@@ -48,64 +58,94 @@ def graph_us(fn, reps: int = 20) -> float:
     return best / LAYERS
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8, 12, 16, 32])
-    args = ap.parse_args()
-    experts, top_k, hidden, inter = 128, 8, 2048, 768
-    dev, dtype = "cuda", torch.bfloat16
-    gen = torch.Generator(device=dev).manual_seed(0)
-    w13 = [torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype, generator=gen) / hidden**0.5
-           for _ in range(LAYERS)]
-    w2 = [torch.randn(experts, hidden, inter, device=dev, dtype=dtype, generator=gen) / inter**0.5
-          for _ in range(LAYERS)]
-    src, dst = torch.empty(4 << 30, dtype=torch.uint8, device=dev), torch.empty(4 << 30, dtype=torch.uint8, device=dev)
+def copy_bandwidth() -> float:
+    """Bytes per second a device-to-device copy moves (read + write), as moe_gpu.py measures it."""
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
     dst.copy_(src)
-    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
         dst.copy_(src)
     end.record()
     end.synchronize()
-    bandwidth = 2 * src.numel() * 5 / (start.elapsed_time(end) / 1e3)
-    del src, dst
-    expert_bytes = 3 * hidden * inter * 2
+    return 2 * src.numel() * 5 / (start.elapsed_time(end) / 1e3)
+
+
+def moe_rows(tokens_list, bandwidth, gen) -> list[dict]:
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    w13 = [torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) / hidden**0.5
+           for _ in range(LAYERS)]
+    w2 = [torch.randn(experts, hidden, inter, device="cuda", dtype=torch.bfloat16, generator=gen) / inter**0.5
+          for _ in range(LAYERS)]
     rows = []
-    for tokens in args.tokens:
-        x = [torch.randn(tokens, hidden, device=dev, dtype=dtype, generator=gen) for _ in range(LAYERS)]
-        logits = [torch.randn(tokens, experts, device=dev, dtype=dtype, generator=gen) for _ in range(LAYERS)]
+    for tokens in tokens_list:
+        x = [torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(LAYERS)]
+        logits = [torch.randn(tokens, experts, device="cuda", generator=gen) for _ in range(LAYERS)]
         routed = [route(lg, top_k, True) for lg in logits]
         ref_w, ref_ids = route_reference(logits[0], top_k, True)
         ref = experts_reference(x[0], w13[0], w2[0], *routed[0])
-        row = {"tokens": tokens,
+        distinct = sum(r[1].unique().numel() for r in routed) / LAYERS
+        row = {"tokens": tokens, "distinct_experts": distinct,
+               "floor_us": distinct * 3 * hidden * inter * 2 / bandwidth * 1e6,
                "route_ids_equal": bool(torch.equal(routed[0][1].long(), ref_ids)),
                "route_weights_diff": (routed[0][0] - ref_w).abs().max().item(),
-               "grouped_diff": (_experts_grouped(x[0], w13[0], w2[0], *routed[0]) - ref).abs().max().item(),
-               "distinct_experts": sum(r[1].unique().numel() for r in routed) / LAYERS}
-        row["floor_us"] = row["distinct_experts"] * expert_bytes / bandwidth * 1e6
-        row["route_torch_us"] = graph_us(lambda: [route_reference(lg, top_k, True) for lg in logits])
-        row["route_kernel_us"] = graph_us(lambda: [route(lg, top_k, True) for lg in logits])
-        row["grouped_us"] = graph_us(lambda: [_experts_grouped(x[i], w13[i], w2[i], *routed[i]) for i in range(LAYERS)])
-        for bn, bk in GEMV_TILES:
-            name = f"gemv_{bn}x{bk}"
-            row[name + "_diff"] = (_experts_gemv(x[0], w13[0], w2[0], *routed[0], block_n=bn, block_k=bk)
-                                   - ref).abs().max().item()
-            row[name + "_us"] = graph_us(lambda: [_experts_gemv(x[i], w13[i], w2[i], *routed[i], block_n=bn, block_k=bk)
-                                                 for i in range(LAYERS)])
+               "route_torch_us": graph_us(lambda: [route_reference(lg, top_k, True) for lg in logits]),
+               "route_kernel_us": graph_us(lambda: [route(lg, top_k, True) for lg in logits]),
+               "config": _config(tokens, top_k, experts, torch.bfloat16), "tiles": {}}
+        tiles = [None] + ([dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s) for n, k, w, s in TILES]
+                          if tokens * top_k / experts <= 8 else [])
+        for config in tiles:
+            name = "config" if config is None else "{BLOCK_N}x{BLOCK_K} w{num_warps} s{num_stages}".format(**config)
+            diff = (fused_moe(x[0], w13[0], w2[0], *routed[0], config=config) - ref).abs().max().item()
+            us = graph_us(lambda: [fused_moe(x[i], w13[i], w2[i], *routed[i], config=config) for i in range(LAYERS)])
+            row["tiles"][name] = {"us": us, "diff": diff}
         rows.append(row)
         print(row, flush=True)
+    return rows
+
+
+def gemv_rows(bandwidth, gen) -> list[dict]:
+    rows = []
+    for shape_name, (n, k) in GEMV_SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5 for _ in range(LAYERS)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref = F.linear(x, ws[0]).float()
+        row = {"shape": shape_name, "n": n, "k": k, "floor_us": n * k * 2 / bandwidth * 1e6,
+               "cublas_us": graph_us(lambda: [F.linear(x, w) for w in ws]), "tiles": {}}
+        for bn, bk in GEMV_TILES:
+            diff = (fused.gemv(x, ws[0], block_n=bn, block_k=bk).float() - ref).abs().max().item()
+            us = graph_us(lambda: [fused.gemv(x, w, block_n=bn, block_k=bk) for w in ws])
+            row["tiles"][f"{bn}x{bk}"] = {"us": us, "diff": diff}
+        rows.append(row)
+        print(row, flush=True)
+        del ws
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bandwidth = copy_bandwidth()
+    result = {"copy_bytes_per_s": bandwidth, "moe": moe_rows(args.tokens, bandwidth, gen),
+              "gemv": gemv_rows(bandwidth, gen)}
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fused_moe_sweep.json").write_text(json.dumps({"copy_bytes_per_s": bandwidth, "rows": rows}, indent=1))
-    names = ["grouped"] + [f"gemv_{bn}x{bk}" for bn, bk in GEMV_TILES]
-    print(f"\nper layer, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
-    print(f"{'T':>3} {'floor':>6} {'route torch':>11} {'route kernel':>12} " + " ".join(f"{n:>12}" for n in names))
-    for r in rows:
-        print(f"{r['tokens']:>3} {r['floor_us']:>6.1f} {r['route_torch_us']:>11.1f} {r['route_kernel_us']:>12.1f} "
-              + " ".join(f"{r[n + '_us']:>12.1f}" for n in names))
-    print("max abs diff vs reference:", {n: max(r[n + "_diff"] for r in rows) for n in names},
-          "route ids equal:", all(r["route_ids_equal"] for r in rows))
+    (out / "fused_moe_sweep.json").write_text(json.dumps(result, indent=1))
+    print(f"\nfused MoE per layer, us (copy bandwidth {bandwidth / 1e12:.2f} TB/s); tiles BLOCK_NxBLOCK_K, BLOCK_M 16")
+    for r in result["moe"]:
+        tiles = ", ".join(f"{name} {t['us']:.1f}" for name, t in r["tiles"].items())
+        print(f"T={r['tokens']:<3} floor {r['floor_us']:.1f}  route torch {r['route_torch_us']:.1f} kernel "
+              f"{r['route_kernel_us']:.1f}  grouped: {tiles}")
+    print("\nbatch-1 products per layer, us: floor, cuBLAS, fused.gemv by BLOCK_NxBLOCK_K")
+    for r in result["gemv"]:
+        tiles = ", ".join(f"{name} {t['us']:.1f}" for name, t in r["tiles"].items())
+        print(f"{r['shape']:<10} floor {r['floor_us']:.1f}  cuBLAS {r['cublas_us']:.1f}  {tiles}")
+    diffs = [t["diff"] for r in result["moe"] for t in r["tiles"].values()]
+    print("fused MoE max abs diff vs reference:", max(diffs), " router ids equal (ties aside):",
+          [r["route_ids_equal"] for r in result["moe"]])
 
 
 if __name__ == "__main__":

@@ -9,11 +9,9 @@ The grouping is a counting sort in small Triton kernels, into buffers whose size
 shapes only; blocks past the data-dependent number in use find an out-of-range expert and
 exit. So the whole of fused_moe can be captured in a CUDA graph.
 
-A decode step's few tokens take another path: each (token, expert) pair streams its expert's
-rows as a GEMV does (`_expert_gemv_kernel`), with no grouping launch and no padding rows, and
-the down projection sums a token's k experts inside the program. The router's softmax, top k
-and renormalisation are one launch too (`route`): as torch ops they were five launches a
-layer, a fifth of a batch-1 step on an H200 (run 3 of benchmarks/results/2026-12-04-h200-moe).
+The router's softmax, top k and renormalisation are one launch too (`route`): as torch ops
+they were five launches a layer, a fifth of a batch-1 step on an H200.
+
 Integer arguments that follow the token count are not specialised on, so start-up's variants
 cover every step (docs/design.md, "Every kernel is built at start-up").
 """
@@ -235,79 +233,36 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+_SUM_BLOCK = 512
+
+
 @triton.jit
-def _expert_gemv_kernel(a_ptr, w_ptr, out_ptr, ids_ptr, weights_ptr, N, K, sa_row, sw_e, sw_n, so_row,
-                        GATED: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        EVEN_K: tl.constexpr):
-    """GATED, program (n-tile, pair p): out[p, n] = silu(g) * u, (g, u) = w[e] [N(, +N), K] @
-    a[p // TOP_K], e = ids[p]. Else program (n-tile, token t): out[t, n] = sum_j weights[t, j] *
-    (w[ids[t, j]] @ a[t * TOP_K + j]), the sum over the token's experts kept in the program.
-    Each program streams BLOCK_N rows of an expert once, in float32 FMAs, as `fused.gemv`."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    row = tl.program_id(1).to(tl.int64)
-    result = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(1 if GATED else TOP_K):
-        pair = row if GATED else row * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        a_row = a_ptr + (row // TOP_K if GATED else pair) * sa_row
-        w_rows = w_ptr + expert * sw_e + offs_n[:, None].to(tl.int64) * sw_n + offs_k[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if GATED:
-            up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                mask = n_ok[:, None]
-                a = tl.load(a_row + k0 + offs_k).to(tl.float32)
-            else:
-                k_ok = k0 + offs_k < K
-                mask = n_ok[:, None] & k_ok[None, :]
-                a = tl.load(a_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.load(w_rows + k0, mask=mask, other=0.0).to(tl.float32) * a[None, :]
-            if GATED:
-                up += tl.load(w_rows + N * sw_n + k0, mask=mask, other=0.0).to(tl.float32) * a[None, :]
-        if GATED:
-            gate = tl.sum(acc, 1)
-            result = gate * tl.sigmoid(gate) * tl.sum(up, 1)
-        else:
-            result += tl.load(weights_ptr + pair) * tl.sum(acc, 1)
-    tl.store(out_ptr + row * so_row + offs_n, result.to(out_ptr.dtype.element_ty), mask=n_ok)
+def _sum_slots_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, h-tile): out[t, h] = sum_j x[t * TOP_K + j, h], added in float32. (torch's
+    sum over the middle dim of [T, k, H] took 4.9 us a layer at T = 1 on an H200.)"""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(x_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Up to this many tokens a step runs its experts as GEMVs (`_experts_gemv`), past it as grouped
-# GEMMs (`_experts_grouped`): where the two cross at Qwen3-30B-A3B's shape on an H200.
-GEMV_MAX_TOKENS = 4
-
-
-def _experts_gemv(x, w13, w2, topk_weights, topk_ids, block_n: int = 1, block_k: int = 512) -> torch.Tensor:
-    """The experts of a few tokens, pair by pair: two launches, no grouping, no padding."""
-    top_k, inter = topk_ids.shape[1], w13.shape[1] // 2
-    ids, weights = topk_ids.reshape(-1), topk_weights.reshape(-1).to(torch.float32)
-    h = torch.empty(ids.numel(), inter, dtype=x.dtype, device=x.device)
-    _expert_gemv(x, w13, h, ids, weights, top_k, gated=True, block_n=block_n, block_k=block_k)
-    out = torch.empty_like(x)
-    _expert_gemv(h, w2, out, ids, weights, top_k, gated=False, block_n=block_n, block_k=block_k)
-    return out
-
-
-def _expert_gemv(a, w, out, ids, weights, top_k, gated, block_n, block_k) -> None:
-    n, k = out.shape[1], a.shape[1]
-    block_k = min(block_k, triton.next_power_of_2(k))
-    _expert_gemv_kernel[(triton.cdiv(n, block_n), out.shape[0])](
-        a, w, out, ids, weights, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATED=gated, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=4, num_stages=4,
-    )
-
-
-def _experts_grouped(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """The experts of many tokens: pairs grouped by expert, one grouped GEMM per projection."""
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (rows 0..I-1 are the gate projection, I..2I-1 the up projection);
+    w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int32 (or int64).
+    Returns [T, H] in x.dtype: sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), where
+    g, u = split(w13[e] @ x[t]) and e = topk_ids[t, j]. `config`: tiles other than `_config`'s
+    (benchmarks/fused_moe_sweep.py)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter, top_k = two_inter // 2, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
-    config = _config(num_tokens, top_k, num_experts, x.dtype)
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    config = config or _config(num_tokens, top_k, num_experts, x.dtype)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     pair_ids, block_expert = _group_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32)
@@ -327,17 +282,6 @@ def _experts_grouped(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         *h.stride(), *w2.stride(), *out.stride(),
         GATED=False, DOT_PRECISION=precision, **config,
     )
-    return out.view(num_tokens, top_k, hidden).sum(1)
-
-
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (rows 0..I-1 are the gate projection, I..2I-1 the up projection);
-    w2 [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] int32 (or int64).
-    Returns [T, H] in x.dtype: sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), where
-    g, u = split(w13[e] @ x[t]) and e = topk_ids[t, j]."""
-    if x.shape[0] == 0:
-        return torch.zeros_like(x)
-    if x.shape[0] <= GEMV_MAX_TOKENS and x.stride(-1) == 1:
-        return _experts_gemv(x, w13, w2, topk_weights, topk_ids)
-    return _experts_grouped(x, w13, w2, topk_weights, topk_ids)
+    total = torch.empty_like(x)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](out, total, hidden, TOP_K=top_k, BLOCK=_SUM_BLOCK)
+    return total
