@@ -235,3 +235,28 @@ def test_every_config_holds_each_variant_a_step_can_pick(heads, head_dim, dtype)
                 batch = SimpleNamespace(num_seqs=num_seqs, max_query_len=query_len, max_seq_len=context + query_len)
                 picked.add(variant(choose_config(batch, *heads, head_dim, dtype, torch.device("cpu"))))
     assert picked == built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_is_fused_as_the_modules_apply_it(dtype, bf16_rounds_to_nearest):
+    """Qwen3's per-head q and k norms, fused with the rotation and the store, give the
+    modules' results (norm, then rotate; float32 sums in another order), padding slots
+    skipped."""
+    from tidal.layers.norm import RMSNorm
+    from tidal.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 512, 10000.0, None)
+    q, k, v, cache, batch, keys, values = make_case(MIXED, 4, 2, 64, 16, dtype, seed=9)
+    gen = torch.Generator().manual_seed(3)
+    q_norm, k_norm = RMSNorm(64, 1e-6), RMSNorm(64, 1e-6)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.5 * torch.randn(64, generator=gen)).to(dtype)
+    q_ref, k_ref = rope(batch.positions, q_norm(q), k_norm(k))
+    want_cache = expected_cache(cache, k_ref, v, batch.slot_mapping)
+    q_out = rotate_and_store(q, k, v, cache, batch, rope.cos_sin, (q_norm, k_norm))
+    torch.testing.assert_close(q_out, q_ref, **tol(dtype))
+    torch.testing.assert_close(cache, want_cache, **tol(dtype))
+    out = TritonAttention().forward(q, k, v, cache.clone(), batch, 0.125, rope, qk_norm=(q_norm, k_norm))
+    torch_ref = pytest.importorskip("tidal.attention.torch_ref")
+    want = torch_ref.TorchAttention().forward(q, k, v, cache.clone(), batch, 0.125, rope, qk_norm=(q_norm, k_norm))
+    torch.testing.assert_close(out, want, **tol(dtype))

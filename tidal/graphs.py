@@ -185,8 +185,8 @@ class PiecewiseGraphs:
         self.input_ids[:batch.num_tokens].copy_(batch.input_ids)
         attn_out = self.attn_out[:batch.num_tokens]
         graphs[0].replay()
-        for (q, k, v, kv_cache, scale, rotary), graph in zip(calls, graphs[1:]):
-            self.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=attn_out)
+        for (q, k, v, kv_cache, scale, rotary, qk_norm), graph in zip(calls, graphs[1:]):
+            self.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=attn_out, qk_norm=qk_norm)
             graph.replay()
         if isinstance(out, tuple):
             return tuple(o[:num_tokens] for o in out)
@@ -221,14 +221,14 @@ class _Recorder:
         graph.capture_begin(pool=self.pool)
         self.graphs.append(graph)
 
-    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, out=None):
+    def forward(self, q, k, v, kv_cache, batch, scale, rotary=None, out=None, qk_norm=None):
         self.graphs[-1].capture_end()
         owner = self.owner
         if owner.attn_out is None:
             owner.attn_out = torch.zeros(owner.buckets[-1], *q.shape[1:], dtype=q.dtype, device=q.device)
         out = owner.attn_out[:q.shape[0]]
-        owner.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=out)
-        self.calls.append((q, k, v, kv_cache, scale, rotary))
+        owner.attn.forward(q, k, v, kv_cache, batch, scale, rotary, out=out, qk_norm=qk_norm)
+        self.calls.append((q, k, v, kv_cache, scale, rotary, qk_norm))
         self._begin()
         return out
 

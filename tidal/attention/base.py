@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from tidal.batch import ForwardBatch
+from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 
 
@@ -28,11 +29,13 @@ class AttentionBackend(Protocol):
         scale: float,
         rotary: RotaryEmbedding | None = None,
         out: torch.Tensor | None = None,  # where to write the result (q's shape and dtype)
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # Qwen3's per-head q and k norms
     ) -> torch.Tensor:           # [T, num_heads, head_dim]
-        """Rotate q and k by `rotary` at batch.positions (a backend may fuse this with the
-        store), store k/v at batch.slot_mapping (skipping -1), then attend causally over
-        each request's cached context plus its new tokens. Rows of `out` past the batch's
-        real tokens (padding) are left as they were."""
+        """Norm q and k head by head by `qk_norm` and rotate them by `rotary` at
+        batch.positions (a backend may fuse both with the store), store k/v at
+        batch.slot_mapping (skipping -1), then attend causally over each request's cached
+        context plus its new tokens. Rows of `out` past the batch's real tokens (padding)
+        are left as they were."""
         ...
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tidal.batch import ForwardBatch
+from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 
 BATCHED_QUERY_LEN = 16  # requests with at most this many query tokens share one pass
@@ -28,7 +29,10 @@ class TorchAttention:
         scale: float,
         rotary: RotaryEmbedding | None = None,
         out: torch.Tensor | None = None,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor:
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         if rotary is not None:
             q, k = rotary(batch.positions, q, k)
         store_kv(k, v, kv_cache, batch.slot_mapping)

@@ -31,6 +31,7 @@ import triton.language as tl
 from tidal.batch import ForwardBatch
 from tidal.compiles import watch as compile_watch
 from tidal.kv_cache import NULL_PAGE
+from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 
 _LOG2E = 1.4426950408889634
@@ -40,15 +41,18 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _rotate_store_kernel(
-    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, cache_ptr, slot_ptr,
+    pos_ptr, cs_ptr, q_ptr, k_ptr, v_ptr, qo_ptr, cache_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, eps,
     s_cs, sq0, sq1, sk0, sk1, sv0, sv1, sqo0, sqo1,
     stride_kv, stride_page, stride_slot, stride_head,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Program (token, head) over the query heads, then the kv heads: a query head is
-    rotated into the output; a kv head's key is rotated and stored with its value in the
-    cache slot (-1 = skip). The neox rotation [x1 cos - x2 sin, x2 cos + x1 sin] runs in
-    float32 and is stored in the input dtype, as `RotaryEmbedding` does."""
+    (normed and) rotated into the output; a kv head's key is (normed and) rotated and stored
+    with its value in the cache slot (-1 = skip). With NORM the head is RMS-normed first by
+    its weights (q's or k's), rounded as `RMSNorm` rounds. The neox rotation [x1 cos - x2 sin,
+    x2 cos + x1 sin] runs in float32 and is stored in the input dtype, as `RotaryEmbedding`
+    does."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
@@ -60,6 +64,7 @@ def _rotate_store_kernel(
         src = q_ptr + t * sq0 + h * sq1
         dst = qo_ptr + t * sqo0 + h * sqo1
         keep = offs < HALF  # every query is rotated, padding's too
+        norm_ptr = q_norm_ptr
     else:
         slot = tl.load(slot_ptr + t)
         keep = offs < tl.where(slot >= 0, HALF, 0)
@@ -69,10 +74,18 @@ def _rotate_store_kernel(
         v_src = v_ptr + t * sv0 + kv_head * sv1
         tl.store(dst + stride_kv + offs, tl.load(v_src + offs), mask=keep)
         tl.store(dst + stride_kv + HALF + offs, tl.load(v_src + HALF + offs), mask=keep)
+        norm_ptr = k_norm_ptr
     x1 = tl.load(src + offs)
     x2 = tl.load(src + HALF + offs)
+    dtype = x1.dtype
+    if NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / (2 * HALF) + eps)
+        w1 = tl.load(norm_ptr + offs).to(tl.float32)
+        w2 = tl.load(norm_ptr + HALF + offs).to(tl.float32)
+        x1 = (w1 * (a * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (b * rstd).to(dtype).to(tl.float32)).to(dtype)
     if ROTATE:
-        dtype = x1.dtype
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         x1, x2 = (a * cos - b * sin).to(dtype), (b * cos + a * sin).to(dtype)
     tl.store(dst + offs, x1, mask=keep)
@@ -267,11 +280,13 @@ def every_config(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.
 
 
 def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                     batch: ForwardBatch, cos_sin: torch.Tensor | None) -> torch.Tensor:
-    """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] at batch.positions
-    by the [max_pos, head_dim] cos|sin table (None: no rotation), and write k/v into
-    kv_cache at batch.slot_mapping (-1 = skip), in one kernel. Returns the rotated q,
-    contiguous; the rotated k lives only in the cache, where attention reads it."""
+                     batch: ForwardBatch, cos_sin: torch.Tensor | None,
+                     qk_norm: tuple[RMSNorm, RMSNorm] | None = None) -> torch.Tensor:
+    """RMS-norm q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] head by head with
+    `qk_norm` (if given), rotate them at batch.positions by the [max_pos, head_dim] cos|sin
+    table (None: no rotation), and write k/v into kv_cache at batch.slot_mapping (-1 = skip),
+    in one kernel. Returns the new q, contiguous; the new k lives only in the cache, where
+    attention reads it."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     assert q.dtype == k.dtype == v.dtype == kv_cache.dtype, "q, k, v and the kv cache must share a dtype"
@@ -283,13 +298,17 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
     rotate = cos_sin is not None
     cs = cos_sin if rotate else q_out  # unread without rotation
     assert not rotate or (cos_sin.dtype == torch.float32 and cos_sin.stride(-1) == 1)
+    q_norm, k_norm = qk_norm or (None, None)
+    if qk_norm:
+        assert q_norm.eps == k_norm.eps and q_norm.weight.numel() == k_norm.weight.numel() == head_dim
     _rotate_store_kernel[(num_tokens, num_heads + num_kv_heads)](
         batch.positions, cs, q, k, v, q_out, kv_cache, batch.slot_mapping,
+        q_norm.weight if qk_norm else q_out, k_norm.weight if qk_norm else q_out, q_norm.eps if qk_norm else 0.0,
         cs.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2], ROTATE=rotate,
-        num_warps=1,
+        NORM=qk_norm is not None, num_warps=1,
     )
     return q_out
 
@@ -361,9 +380,9 @@ class TritonAttention:
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
         batch: ForwardBatch, scale: float, rotary: RotaryEmbedding | None = None,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, qk_norm: tuple[RMSNorm, RMSNorm] | None = None,
     ) -> torch.Tensor:
-        q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin)
+        q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin, qk_norm)
         if not compile_watch.is_serving:  # (while serving, a forward does only its own work)
             self._build_every_variant(q, kv_cache)
         return paged_attention(q, kv_cache, batch, scale, out=out)

@@ -55,9 +55,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, -1, self.head_dim)
         k = k.view(num_tokens, -1, self.head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn.forward(q, k, v, kv_cache, batch, self.scale, rotary)
+        qk_norm = (self.q_norm, self.k_norm) if self.qk_norm else None  # the backend fuses them with rotary
+        out = self.attn.forward(q, k, v, kv_cache, batch, self.scale, rotary, qk_norm=qk_norm)
         return self.o_proj(out.flatten(1))
 
 
