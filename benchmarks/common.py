@@ -1,7 +1,8 @@
-"""Shapes and checkpoints the GPU benchmarks share: the Llama-3.1-8B shape (and a tiny one
-for CPU smoke runs) as config-only model folders, for `load_format="dummy"` (random weights).
+"""Shapes and checkpoints the GPU benchmarks share: the Llama-3.1-8B and Qwen3-30B-A3B shapes
+(and tiny ones for CPU smoke runs) as config-only model folders, for `load_format="dummy"`
+(random weights).
 
-    python benchmarks/common.py DIR [smoke]   # DIR/target (8B shape, or the tiny one) and DIR/eagle3
+    python benchmarks/common.py DIR [8b|smoke|moe|smoke-moe]   # DIR/target and DIR/eagle3
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def write_eagle_dir(root: Path, shape: dict) -> Path:
     return path
 
 
-if __name__ == "__main__":
-    root, shape = Path(sys.argv[1]), SMOKE if sys.argv[2:] == ["smoke"] else LLAMA_8B
+SHAPES = {"8b": LLAMA_8B, "smoke": SMOKE, "moe": QWEN3_30B_A3B, "smoke-moe": SMOKE_MOE}
+
+if __name__ == "__main__":  # python3 benchmarks/common.py DIR [8b|smoke|moe|smoke-moe]
+    root, shape = Path(sys.argv[1]), SHAPES[sys.argv[2] if len(sys.argv) > 2 else "8b"]
     print(write_model_dir(root, shape), write_eagle_dir(root, shape))
