@@ -282,6 +282,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         *h.stride(), *w2.stride(), *out.stride(),
         GATED=False, DOT_PRECISION=precision, **config,
     )
-    total = torch.empty_like(x)
+    total = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](out, total, hidden, TOP_K=top_k, BLOCK=_SUM_BLOCK)
     return total
