@@ -17,12 +17,12 @@ from torch import nn
 
 from tidal.attention.base import AttentionBackend
 from tidal.batch import ForwardBatch
-from tidal.layers.linear import Linear
+from tidal.layers.linear import Linear, VocabEmbedding
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.config import ModelConfig
 from tidal.models.llama import MLP, Attention, CausalLM, fused_checkpoint_names
-from tidal.models.loader import build_on, checkpoint_tensor_names, fill_weights
+from tidal.models.loader import build_on, checkpoint_tensor_names, fill_weights, init_dummy_weights, read_tensor
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -147,11 +147,21 @@ def load_eagle3(
     device: torch.device | str,
     attn: AttentionBackend,
     load_format: str = "safetensors",
+    target_dir: str | Path | None = None,
 ) -> Eagle3Head:
-    """Load an EAGLE-3 head for `target_model` (whose embedding it shares if it has none)."""
+    """Load an EAGLE-3 head for `target_model`, whose embedding it shares if it has none of
+    its own. The head runs whole on one rank, so where tensor parallelism split the target's
+    embedding over the ranks, it reads a whole copy from `target_dir`, the target's checkpoint."""
     cfg = Eagle3Config.from_pretrained(model_dir, target_model.config)
     has_embedding = load_format != "dummy" and "embed_tokens.weight" in checkpoint_tensor_names(model_dir)
     with build_on(device, dtype):
-        head = Eagle3Head(cfg, attn, None if has_embedding else target_model.embed_tokens)
+        shared = None if has_embedding else target_model.embed_tokens
+        if shared is not None and shared.tp_size > 1:
+            shared = VocabEmbedding(cfg.model.vocab_size, target_model.config.hidden_size)
+            if load_format == "dummy":
+                init_dummy_weights(shared)
+            else:
+                shared.weight_loader(shared.weight, read_tensor(target_dir, "model.embed_tokens.weight"))
+        head = Eagle3Head(cfg, attn, shared)
     fill_weights(head, model_dir, load_format)
     return head.eval()

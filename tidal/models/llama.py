@@ -16,7 +16,7 @@ from torch import nn
 from tidal.attention.base import AttentionBackend
 from tidal.batch import ForwardBatch
 from tidal.layers.activation import SiluAndMul
-from tidal.layers.linear import Linear, MergedColumnLinear, RowLinear, one_token_on_cuda
+from tidal.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, one_token_on_cuda
 from tidal.layers.moe import SparseMoE
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
@@ -28,15 +28,12 @@ class Attention(nn.Module):
         super().__init__()
         self.attn = attn
         self.head_dim = config.head_dim
-        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.qkv_proj = MergedColumnLinear(
-            input_size or config.hidden_size, [q_size, kv_size, kv_size], config.attention_bias, ("q", "k", "v")
-        )
+        self.qkv_proj = QKVLinear(input_size or config.hidden_size, config.head_dim, config.num_heads,
+                                  config.num_kv_heads, config.attention_bias)
         # Qwen2 has bias on q/k/v only; the others put attention_bias on o_proj as well.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = RowLinear(q_size, config.hidden_size, o_bias)
-        local_q, local_kv, _ = self.qkv_proj.local_sizes
-        self.split = (local_q, local_kv, local_kv)
+        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, o_bias)
+        self.split = self.qkv_proj.local_sizes
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -121,12 +118,11 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn: AttentionBackend):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, attn, i in config.moe_layer_ids)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -151,9 +147,9 @@ class CausalLM(nn.Module):
             return hidden
         return hidden, torch.cat([aux[i] for i in self.aux_layer_ids], dim=-1)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [T, V] (on rank 0 alone, under tensor parallelism)."""
+        return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
 
     def checkpoint_names(self, name: str, available: set[str]) -> list[tuple[str, object]]:
         """The checkpoint tensors (and shard ids) that parameter `name` is loaded from, given

@@ -91,6 +91,15 @@ def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
     return names
 
 
+def read_tensor(model_dir: str | Path, name: str) -> torch.Tensor:
+    """One tensor of a checkpoint."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise ValueError(f"checkpoint {model_dir} is missing tensor {name!r}")
+
+
 @torch.no_grad()
 def load_weights(module: nn.Module, model_dir: str | Path) -> None:
     """Fill every parameter and persistent buffer of `module` from the checkpoint.

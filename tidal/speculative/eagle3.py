@@ -24,7 +24,7 @@ class Eagle3Proposer(ChainDrafter):
         self.config = Eagle3Config.from_pretrained(model_dir, target_config)
         super().__init__(runner, target_config.vocab_size)
         self.head = load_eagle3(model_dir, runner.model, runner.dtype, runner.device, runner.attn,
-                               runner.config.load_format)
+                               runner.config.load_format, runner.config.model)
         self.draft_ids = self.head.draft_to_target(torch.arange(self.config.draft_vocab_size, device=runner.device))
         runner.aux_layer_ids = self.config.aux_layer_ids or default_aux_layer_ids(target_config.num_layers)
         self.kv_cache: torch.Tensor | None = None
