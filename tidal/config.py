@@ -207,6 +207,7 @@ class EngineConfig:
     enforce_eager: bool = False           # cuda: no CUDA graphs (debugging)
     async_scheduling: bool | None = None  # queue the next step behind one whose rows all sample; None: on cuda
     load_format: str = "safetensors"      # "dummy": random weights from config.json (speed runs)
+    tensor_parallel_size: int = 1         # ranks the target model is split over (processes the engine starts)
     seed: int = 0
     speculative_config: SpecConfig | None = field(default=None)
 
@@ -222,7 +223,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -50,6 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache pages of 16 tokens, instead of sizing the cache from memory "
                         "(vLLM: --num-gpu-blocks-override)")
     g.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks, one process each (one GPU each on cuda)")
     g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights from config.json alone (speed runs)")
     g.add_argument("--seed", type=int, default=0,
@@ -79,6 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 num_pages=args.num_pages, enforce_eager=args.enforce_eager, load_format=args.load_format,
+                tensor_parallel_size=args.tensor_parallel_size,
                 seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
                 speculative_config=speculative_config(args))
 
