@@ -3,12 +3,18 @@
 One forward serves every row of the plan: prefill chunks, plain decodes and decodes
 followed by K_i draft tokens. Rows that reach the end of their known tokens get logits
 for their last K_i + 1 positions; those are sampled (K = 0 everywhere) or verified.
+
+Under tensor parallelism every rank has a runner holding its slice of the model; rank 0
+plans and samples, and the methods marked `on_every_rank` run on every rank together
+(`tidal.parallel`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +23,7 @@ from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_ta
 from tidal.config import DTYPES, EngineConfig
 from tidal.graphs import CudaGraphs, PiecewiseGraphs, forward_rows
 from tidal.kv_cache import NULL_PAGE
+from tidal.layers.linear import heads_per_rank, tensor_parallel
 from tidal.layers.sampler import SamplingTensors, compute_logprobs
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
@@ -32,20 +39,52 @@ def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) ->
     return DTYPES.get(model_config.torch_dtype) if model_config.torch_dtype in ("bfloat16", "float16") else torch.bfloat16
 
 
+def on_every_rank(method):
+    """A runner method that every tensor-parallel rank runs together (its forwards run
+    collectives): called on rank 0, it has the other ranks make the same call first."""
+    @functools.wraps(method)
+    def call(self, *args):
+        if self.tp is None or self.tp.rank != 0:
+            return method(self, *args)
+        with self.tp.collective():
+            self.tp.call(method.__name__, *args)
+            return method(self, *args)
+    return call
+
+
+@dataclass
+class StepInputs:
+    """What every rank needs to run a step's forward: made from the plan on rank 0 and sent
+    to the other ranks as is (tokens that only the device knows travel as tensors)."""
+
+    feeds: list[list[int]]   # each row's tokens (placeholders where the device's input ids hold them)
+    contexts: list[int]      # tokens each row has in the KV cache before them
+    pages: list[list[int]]   # each row's page table
+    decode_only: bool        # every row feeds one token and its drafts: a decode graph fits
+    sampled: bool            # some row samples, so the step takes logits
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
-                 max_draft_len: int = 0):
+                 max_draft_len: int = 0, tp=None):
+        """`tp`: this rank's `tidal.parallel.TensorParallel` (None: the whole model here)."""
         self.config = config
         self.max_model_len = max_model_len
         self.max_draft_len = max_draft_len  # the most drafts a row verifies (the speculation's K limit)
         self.model_config = model_config
-        self.device = torch.device(config.device)
+        self.tp = tp
+        rank, size = (tp.rank, tp.size) if tp else (0, 1)
+        self.device = torch.device("cuda", rank) if tp and config.device == "cuda" else torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.page_size = config.page_size
         self.attn = get_backend(config.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
-        self.model = load_model(config.model, self.dtype, self.device, self.attn, config.load_format)
+        with tensor_parallel(rank, size):
+            self.model = load_model(config.model, self.dtype, self.device, self.attn, config.load_format)
+        self.kv_heads = heads_per_rank(model_config.num_heads, model_config.num_kv_heads, size)[1]
+        if rank == 0 and tp:
+            tp.wait_ready()  # the other ranks built their slices meanwhile
         self.num_pages = 0
         self.kv_caches: list[torch.Tensor] = []
         self.aux_layer_ids: tuple[int, ...] = ()    # set by an EAGLE-3 proposer before allocation
@@ -74,20 +113,25 @@ class ModelRunner:
         """Cache bytes per page: the target's KV, EAGLE-3's hidden states and a drafter's
         `extra_bytes_per_page`."""
         aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
-        return (self.kv_bytes_per_page(self.model_config) + extra_bytes_per_page
+        return (self.kv_bytes_per_page(self.model_config, self.kv_heads) + extra_bytes_per_page
                 + aux_width * self.page_size * self.dtype.itemsize)
 
+    @on_every_rank
     def pages_that_fit(self, per_page: int, reserve: int) -> int:
         """Pages the memory left after the weights holds, keeping `reserve` bytes free for
         the largest step's activations: on cuda of the share gpu_memory_utilization allows
-        (the rest also holds the CUDA graphs' memory pools), on cpu of kv_cache_memory_gb."""
+        (the rest also holds the CUDA graphs' memory pools), on cpu of kv_cache_memory_gb.
+        Under tensor parallelism, the fewest any rank fits with rank 0's page size and
+        reserve: rank 0's are the largest, as it also holds the drafter."""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total - reserve
         else:
             budget = self.config.kv_cache_memory_gb * 2**30
-        return max(2, int(budget // per_page))
+        pages = max(2, int(budget // per_page))
+        return self.tp.min(pages) if self.tp else pages
 
+    @on_every_rank
     def allocate_cache(self, num_pages: int) -> None:
         """Allocate the page pool's tensors (a smaller one before, for the start-up
         measurements, is given back first)."""
@@ -95,12 +139,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.num_pages = num_pages
-        self.kv_caches = self.allocate_kv(self.model_config, num_pages)
+        self.kv_caches = self.allocate_kv(self.model_config, num_pages, self.kv_heads)
         aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
         if aux_width:
             self.model.aux_layer_ids = self.aux_layer_ids
             self.aux_cache = torch.zeros(num_pages * self.page_size, aux_width, dtype=self.dtype, device=self.device)
 
+    @on_every_rank
     def capture_graphs(self) -> None:
         """CUDA graphs for decode and verification steps, and the piecewise ones for steps
         with prompt tokens (cuda, unless enforce_eager)."""
@@ -130,6 +175,7 @@ class ModelRunner:
             pages = [[NULL_PAGE] * (-(-(ctx + q) // ps))] * n
             yield ForwardBatch.build([[0] * q] * n, [ctx] * n, pages, ps, self.device)
 
+    @on_every_rank
     @torch.inference_mode()
     def warmup(self) -> None:
         """Build the Triton kernels steps run outside graphs now rather than in a user's step
@@ -149,11 +195,13 @@ class ModelRunner:
         batch.advance(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
         torch.cuda.synchronize(self.device)
 
-    def kv_bytes_per_page(self, mc: ModelConfig) -> int:
-        return 2 * mc.num_layers * self.page_size * mc.num_kv_heads * mc.head_dim * self.dtype.itemsize
+    def kv_bytes_per_page(self, mc: ModelConfig, kv_heads: int | None = None) -> int:
+        """KV bytes per page of a model of config `mc` holding `kv_heads` of its kv heads
+        (default all: a drafter, which is whole)."""
+        return 2 * mc.num_layers * self.page_size * (kv_heads or mc.num_kv_heads) * mc.head_dim * self.dtype.itemsize
 
-    def allocate_kv(self, mc: ModelConfig, num_pages: int) -> list[torch.Tensor]:
-        shape = (2, num_pages, self.page_size, mc.num_kv_heads, mc.head_dim)
+    def allocate_kv(self, mc: ModelConfig, num_pages: int, kv_heads: int | None = None) -> list[torch.Tensor]:
+        shape = (2, num_pages, self.page_size, kv_heads or mc.num_kv_heads, mc.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
 
     @torch.inference_mode()
@@ -170,28 +218,43 @@ class ModelRunner:
                  for i, (r, n, k) in enumerate(zip(reqs, plan.num_new_tokens, plan.draft_lens))]
         rows = [i for i in range(len(reqs)) if i < carried or plan.samples(i)]
         contexts = [r.num_computed + (ahead.computed[i] if ahead else 0) for i, r in enumerate(reqs)]
-        rejected = ahead.rejected if ahead else None
-        num_tokens = sum(len(f) for f in feeds)
+        step = PendingStep(plan, rows, 1 + plan.max_draft_len)
+        logit_index, counters, ks, subset = self._sampling_indices(step, feeds, ahead) if rows else (None,) * 4
+        inputs = StepInputs(feeds, contexts, [r.pages for r in reqs],
+                            decode_only=len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens),
+                            sampled=bool(rows))
+        logits = self.forward_step(inputs, self._device_inputs(plan, feeds, drafts, ahead),
+                                   ahead.rejected if ahead else None, logit_index)
+        if rows:
+            self._verify(step, logits, drafts, counters, ks, subset)
+        if self.device.type == "cuda":
+            step.done = torch.cuda.Event(enable_timing=True)
+            step.done.record()
+        return step
+
+    @on_every_rank
+    def forward_step(self, inputs: StepInputs, input_ids: torch.Tensor | None, rejected: torch.Tensor | None,
+                     logit_index: torch.Tensor | None) -> torch.Tensor | None:
+        """The step's forward, and its logits where some row samples: at `logit_index`, or at
+        every token where that is None. `input_ids` (on the device) replace the fed tokens;
+        rows are moved back by the drafts a step in flight `rejected`. The logits are rank
+        0's; the other ranks' calls return None."""
+        num_tokens = sum(len(f) for f in inputs.feeds)
         bucket = self.pieces.bucket(num_tokens) if self.pieces is not None else None
-        decode_only = len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens)
         out, slot_mapping = forward_rows(
-            self.graphs if decode_only else None,
+            self.graphs if inputs.decode_only else None,
             lambda batch, _: self.model(batch.input_ids, batch, self.kv_caches) if bucket is None
             else self.pieces.run(batch, num_tokens),
-            feeds, contexts, [r.pages for r in reqs], self.page_size, self.device,
-            input_ids=self._device_inputs(plan, feeds, drafts, ahead), pad_tokens=bucket or 0,
+            inputs.feeds, inputs.contexts, inputs.pages, self.page_size, self.device, input_ids=input_ids,
+            pad_tokens=bucket or 0,
             adjust=None if rejected is None else lambda batch: batch.move_back(rejected, self.page_size))
         hidden = out
         if self.aux_cache is not None:
             hidden, aux = out
             self.aux_cache[slot_mapping] = aux
-        step = PendingStep(plan, rows, 1 + plan.max_draft_len)
-        if rows:
-            self._verify(step, hidden, feeds, drafts, ahead)
-        if self.device.type == "cuda":
-            step.done = torch.cuda.Event(enable_timing=True)
-            step.done.record()
-        return step
+        if not inputs.sampled:
+            return None
+        return self.model.compute_logits(hidden if logit_index is None else hidden[logit_index])
 
     @staticmethod
     def _device_inputs(plan: StepPlan, feeds: list[list[int]], drafts: Drafts | None,
@@ -206,17 +269,13 @@ class ModelRunner:
         return with_device_tails(feeds, [1 + k if i < ahead.carried else 0 for i, k in enumerate(plan.draft_lens)],
                                  source)
 
-    def _verify(self, step: PendingStep, hidden: torch.Tensor, feeds: list[list[int]], drafts: Drafts | None,
-                ahead: Ahead | None) -> None:
-        """The sampling rows' tokens: logits at each row's last K_i + 1 positions (padded to
-        the step's width W), verified against its drafts (K_i = 0: plain sampling), then
-        queued for the one copy to the host."""
+    def _sampling_indices(self, step: PendingStep, feeds: list[list[int]], ahead: Ahead | None):
+        """Every index the sampling rows need, in one host-to-device copy (a host list as an
+        index would sync): where their logits are (None in a plain decode step, where every
+        token is a row's last), output counters, draft lengths and the rows that verify drafts."""
         plan, rows, width = step.plan, step.rows, step.width
         reqs = plan.requests
-        # Every index the rows need, in one host-to-device copy (a host list as an index would
-        # sync): where their logits are (none in a plain decode step, where every token is a
-        # row's last), output counters, draft lengths and the rows that verify drafts.
-        every_token = width == 1 and len(rows) == len(reqs) == hidden.shape[0]
+        every_token = width == 1 and len(rows) == len(reqs) == sum(len(f) for f in feeds)
         ends = [] if every_token else list(itertools.accumulate(len(f) for f in feeds))
         logit_index = [] if every_token else [ends[i] - 1 - plan.draft_lens[i] + min(j, plan.draft_lens[i])
                                                for i in rows for j in range(width)]
@@ -227,7 +286,16 @@ class ModelRunner:
                                                             self.device)
         if ahead is not None and ahead.rejected is not None:
             counters = counters - ahead.rejected
-        logits = self.model.compute_logits(hidden if every_token else hidden[logit_index]).view(len(rows), width, -1)
+        return None if every_token else logit_index, counters, ks, subset
+
+    def _verify(self, step: PendingStep, logits: torch.Tensor, drafts: Drafts | None, counters: torch.Tensor,
+                ks: torch.Tensor, subset: torch.Tensor) -> None:
+        """The sampling rows' tokens: their logits at the last K_i + 1 positions (padded to the
+        step's width W), verified against their drafts (K_i = 0: plain sampling), then queued
+        for the one copy to the host."""
+        plan, rows, width = step.plan, step.rows, step.width
+        reqs = plan.requests
+        logits = logits.view(len(rows), width, -1)
         tokens = drafts.tokens[:, :width - 1] if width > 1 else logits.new_zeros(len(rows), 0, dtype=torch.int64)
         if len(subset):
             tokens = tokens[subset]
