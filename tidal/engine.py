@@ -13,6 +13,7 @@ from tidal.compiles import watch as compile_watch
 from tidal.config import EngineConfig
 from tidal.kv_cache import PagePool
 from tidal.models.config import ModelConfig
+from tidal.parallel import TensorParallel
 from tidal.profiling import cached_costs, cost_key, measure_costs, plan_pages
 from tidal.processing import EngineOutput
 from tidal.request import Request
@@ -58,8 +59,33 @@ class EngineCore:
         self.max_model_len = config.max_model_len or limit
         spec = config.speculative_config
         self.speculation = Speculation(spec) if spec else None
-        self.runner = ModelRunner(config, self.model_config, self.max_model_len,
-                                  self.speculation.max_draft_len if spec else 0)
+        max_draft_len = self.speculation.max_draft_len if spec else 0
+        # The other ranks of a model split over several start first: they build their slices
+        # while this process, rank 0, builds its own.
+        self.tp = (TensorParallel.start(config, self.model_config, self.max_model_len, max_draft_len)
+                   if config.tensor_parallel_size > 1 else None)
+        try:
+            capture_s = self._start_runner(max_draft_len)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, config, self.max_model_len, self.speculation)
+        self.in_flight: PendingStep | None = None  # a step queued on the device, not yet committed
+        self.last_step: PendingStep | None = None  # the last one committed, while steps follow each other
+        self.num_steps = 0
+        self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
+        self.num_generated_tokens = 0
+        compile_watch.serving()
+        logger.info(self.describe())
+        logger.info("engine start-up took %.1f s (graph capture and kernel warm-up %.1f s)",
+                    time.perf_counter() - started, capture_s)
+
+    def _start_runner(self, max_draft_len: int) -> float:
+        """Build the runner and the drafter, size the KV cache, capture graphs, build kernels
+        and price steps. Returns the seconds graphs and kernels took."""
+        config, spec = self.config, self.config.speculative_config
+        self.runner = ModelRunner(config, self.model_config, self.max_model_len, max_draft_len, self.tp)
         if self.runner.device.type == "cuda":
             compile_watch.start_up()
         proposer = self.speculation.attach(self.runner, self.model_config) if spec else None
@@ -82,23 +108,19 @@ class EngineCore:
             self.speculation.cost_model = cached_costs(cost_key(self.runner, proposer), lambda: measure_costs(
                 self.runner, proposer, config.max_num_seqs, spec.num_speculative_tokens, self.max_model_len,
                 spec.profile_seconds))
-        self.pool = PagePool(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config, self.max_model_len, self.speculation)
-        self.in_flight: PendingStep | None = None  # a step queued on the device, not yet committed
-        self.last_step: PendingStep | None = None  # the last one committed, while steps follow each other
-        self.num_steps = 0
-        self.num_steps_ahead = 0                   # steps queued behind the one before (async scheduling)
-        self.num_generated_tokens = 0
-        compile_watch.serving()
-        logger.info(self.describe())
-        logger.info("engine start-up took %.1f s (graph capture and kernel warm-up %.1f s)",
-                    time.perf_counter() - started, capture_s)
+        return capture_s
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any; the engine runs no step after it."""
+        if self.tp is not None:
+            self.tp.stop()
 
     def describe(self) -> str:
         """What was loaded, in one line (logged at start-up)."""
         c = self.config
         return (f"model {c.model} ({self.model_config.architecture}, {str(self.runner.dtype).removeprefix('torch.')}, "
-                f"{self.runner.device}, {'eager' if self.runner.graphs is None else 'CUDA graphs'}); "
+                f"{self.runner.device}, {'eager' if self.runner.graphs is None else 'CUDA graphs'}"
+                f"{f', {c.tensor_parallel_size} tensor-parallel ranks' if self.tp else ''}); "
                 f"KV cache {self.pool.capacity} pages of {c.page_size} tokens; max_model_len {self.max_model_len}; "
                 f"max_num_seqs {c.max_num_seqs}; max_num_batched_tokens {c.max_num_batched_tokens}; "
                 f"speculation: {self.speculation.describe() if self.speculation else 'none'}")

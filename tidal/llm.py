@@ -62,6 +62,9 @@ class LLMEngine:
     def stats(self) -> dict:
         return self.core.stats()
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
 
 class LLM:
     """Offline inference: `LLM(model=DIR).generate(prompts, SamplingParams(...))`."""
@@ -88,6 +91,11 @@ class LLM:
         for req in requests:
             self.engine.add_request(req)
         return self._run(requests, use_tqdm)
+
+    def shutdown(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (their processes); nothing to do
+        for an engine of one rank."""
+        self.engine.shutdown()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

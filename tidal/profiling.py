@@ -195,6 +195,7 @@ def cost_key(runner, proposer) -> dict:
             "method": config.speculative_config.method, "dtype": str(runner.dtype),
             "graphs": runner.graphs is not None, "attention": type(runner.attn).__name__,
             "page_size": runner.page_size, "max_num_seqs": config.max_num_seqs,
+            "tensor_parallel_size": config.tensor_parallel_size,
             "long_context": long_context(runner, config.max_num_seqs, runner.max_draft_len, runner.max_model_len),
             "max_num_batched_tokens": config.max_num_batched_tokens, "k": runner.max_draft_len,
             "seconds": config.speculative_config.profile_seconds}
