@@ -69,6 +69,9 @@ class ClockCore:
     def request_ids(self) -> list[str]:
         return list(self.running)
 
+    def shutdown(self) -> None:
+        """A clock has no ranks to stop."""
+
     def add_request(self, req: Request) -> None:
         if not self.running:  # idle until now: the next step is due at once, not late
             self.next_step = time.monotonic() - self.step_s

@@ -12,6 +12,7 @@ request ends with an `EngineError` and `on_death` is called (the server then exi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing as mp
 import queue
@@ -48,9 +49,15 @@ class AsyncEngine:
         context = mp.get_context("spawn")  # CUDA cannot be forked into a child
         inbox_reader, self._to_core = context.Pipe(duplex=False)
         self._from_core, outbox_writer = context.Pipe(duplex=False)
+        # A daemonic process may not start processes of its own, as a core of several
+        # tensor-parallel ranks does; such a core, if left running at exit (a server that
+        # failed before its lifespan stopped it), is killed rather than waited for.
+        daemon = config.tensor_parallel_size == 1
         self.process = context.Process(target=run_core, args=(config, inbox_reader, outbox_writer, make_core),
-                                       name="tidal-engine-core", daemon=True)
+                                       name="tidal-engine-core", daemon=daemon)
         self.process.start()
+        if not daemon:
+            atexit.register(self.process.kill)
         inbox_reader.close()
         outbox_writer.close()
         if not self._from_core.poll(start_timeout):

@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 from tidal.config import EngineConfig
 from tidal.engine import EngineCore, frozen_heap
+from tidal.parallel import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +27,21 @@ STATS_INTERVAL_S = 0.1  # how often a busy core sends its stats (an idle one sen
 
 def run_core(config: EngineConfig, inbox: Connection, outbox: Connection, make_core=EngineCore) -> None:
     """The process's main: build the core, say it is ready, then serve until told to stop
-    (or until the API process is gone)."""
+    (or until the API process is gone), and stop the core's tensor-parallel ranks."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     core = make_core(config)
     outbox.send(("ready", {"max_model_len": core.max_model_len, "vocab_size": core.model_config.vocab_size,
                            "describe": core.describe(), "stats": core.stats()}))
+    try:
+        serve(core, inbox, outbox)
+    finally:
+        core.shutdown()
+
+
+def serve(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
+    """Step while there is work, applying commands between steps, until told to stop. A
+    failed step fails its requests and serving goes on, unless tensor-parallel ranks
+    failed: then no step can run again, and the process ends."""
     last_stats = time.monotonic()
     with frozen_heap():
         while True:
@@ -44,6 +55,8 @@ def run_core(config: EngineConfig, inbox: Connection, outbox: Connection, make_c
                 continue
             try:
                 outputs = core.step()
+            except TensorParallelError:
+                raise
             except Exception as e:
                 # The step's requests cannot be trusted to finish: end every running one.
                 logger.exception("engine step failed; failing its requests")
