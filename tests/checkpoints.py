@@ -81,6 +81,7 @@ def make_checkpoint(
     num_layers: int = 4,
     vocab_size: int = 384,
     hidden_size: int = 64,
+    num_kv_heads: int = 2,
     tie_embeddings: bool = False,
     sharded: bool = False,
     tokenizer: bool = True,
@@ -93,7 +94,7 @@ def make_checkpoint(
     llama gets llama3 rope scaling with a short original context, so the scaling matters
     at test lengths. `sharded` saves several safetensors files plus an index. qwen3moe has
     8 experts, 2 per token, a dense first layer (`mlp_only_layers`) and `norm_topk_prob` as
-    given; mixtral 4 experts, 2 per token."""
+    given; mixtral 4 experts, 2 per token. Every model has 4 query heads."""
     config_cls, model_cls = _CLASSES[arch]
     kwargs = dict(
         vocab_size=vocab_size,
@@ -101,7 +102,7 @@ def make_checkpoint(
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // 4,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,

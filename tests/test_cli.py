@@ -50,8 +50,8 @@ def test_demo_speculates_unless_turned_off(checkpoint):
 def test_engine_flags_give_back_the_same_engine():
     kwargs = engine_kwargs(engine_args("--device", "cpu", "--max-model-len", "300", "--num-pages", "99",
                                        "--enforce-eager", "--no-enable-prefix-caching", "--load-format", "dummy",
-                                       "--seed", "7", "--speculative-config", '{"method": "ngram", '
-                                                                              '"num_speculative_tokens": 3}'))
+                                       "--seed", "7", "--tensor-parallel-size", "2",
+                                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
     assert engine_kwargs(engine_args(*engine_flags(kwargs))) == kwargs
     plain = engine_kwargs(engine_args("--no-speculation"))
     assert engine_kwargs(engine_args(*engine_flags(plain))) == plain
@@ -62,6 +62,7 @@ def test_engine_flags_give_back_the_same_engine():
     (["--max-tokens", "1000"], "error: --max-tokens: 2 prompt tokens + max_tokens 1000 are more than max_model_len"),
     (["--max-num-seqs", "0"], "error: --max-num-seqs must be a positive integer, got 0"),
     (["--gpu-memory-utilization", "1.5"], "error: --gpu-memory-utilization must be in (0, 1], got 1.5"),
+    (["--tensor-parallel-size", "3"], "error: --tensor-parallel-size: 3 does not divide num_attention_heads 4"),
     (["--num-pages", "5"], "error: the KV cache has 4 pages of 16 tokens, fewer than one request of max_model_len 512"),
     (["--speculative-config", "{}"], "error: --speculative-config: needs 'method' and 'num_speculative_tokens'"),
     (["--speculative-config", '{"method": "eagle4", "num_speculative_tokens": 2}'],
