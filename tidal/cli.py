@@ -20,6 +20,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.monotonic()
     outputs = llm.generate(args.prompts, params)
     elapsed = time.monotonic() - start
+    llm.shutdown()
     total = 0
     for out in outputs:
         completion = out.outputs[0]

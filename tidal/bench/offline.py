@@ -102,6 +102,7 @@ def run_offline_sweep(modes: list[str], loads: list[Load], requests: list[BenchR
             records, duration, spans = run_load_offline(engine, load, load_requests, seed=seed + i,
                                                         temperature=temperature, desc=f"{mode} {load.label}")
             rows.append(summarize_run(mode, load, records, duration, spans, before, engine_counters(engine)))
+        engine.shutdown()  # (its tensor-parallel ranks: the next mode's engine starts its own)
         del engine
         gc.collect()
         if torch.cuda.is_available():
