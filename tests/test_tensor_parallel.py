@@ -57,6 +57,10 @@ def test_two_ranks_without_speculation_give_one_ranks_tokens(checkpoint, two_ran
     llm = two_ranks(model_dir, max_num_batched_tokens=16)
     assert token_ids(llm.generate(batch, greedy(), use_tqdm=False)) == want
     assert_idle(llm)
+    llm.shutdown()
+    assert not worker_processes() and not dist.is_initialized()
+    with pytest.raises(TensorParallelError, match="the engine was shut down"):
+        llm.generate(batch, greedy(), use_tqdm=False)
 
 
 def test_two_ranks_with_a_draft_model_planned_ahead(checkpoint, two_ranks, tmp_path):

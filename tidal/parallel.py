@@ -13,7 +13,9 @@ CUDA, gloo on CPU), whose all-reduces the model's layers run.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import signal
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -83,6 +85,7 @@ class TensorParallel:
         self.processes, self.pipes = list(processes), list(pipes)  # of ranks 1 .. size - 1
         self.caller_threads = caller_threads  # rank 0 on a CPU: torch's threads before `join`, given back at `stop`
         self.failure: str | None = None  # why the ranks stopped, once one failed
+        self.stopped = False
         self.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
 
     @staticmethod
@@ -126,7 +129,9 @@ class TensorParallel:
                 process.kill()
                 process.join()
             raise
-        return TensorParallel(0, config.tensor_parallel_size, processes, pipes, caller_threads)
+        tp = TensorParallel(0, config.tensor_parallel_size, processes, pipes, caller_threads)
+        atexit.register(tp.stop)  # an engine never shut down still stops its ranks and leaves the group
+        return tp
 
     def wait_ready(self) -> None:
         """Rank 0: wait until every other rank has built its slice of the model."""
@@ -143,8 +148,9 @@ class TensorParallel:
         """Rank 0: around a call that every rank makes. Once it fails, on any rank, the ranks
         are out of step for good: the others are stopped, and a failed worker's error is
         raised with its traceback."""
-        if self.failure is not None:
-            raise TensorParallelError(f"the tensor-parallel ranks have stopped: {self.failure}")
+        if self.stopped:
+            raise TensorParallelError("the tensor-parallel ranks have stopped: "
+                                      f"{self.failure or 'the engine was shut down'}")
         try:
             yield
         except BaseException as e:
@@ -185,8 +191,10 @@ class TensorParallel:
     def stop(self) -> None:
         """Rank 0: end the other ranks (told to stop, or terminated where the ranks are out of
         step) and leave the process group. Idempotent."""
-        if not dist.is_initialized():
+        if self.stopped:
             return
+        self.stopped = True
+        atexit.unregister(self.stop)
         if self.failure is None:
             with contextlib.suppress(RuntimeError):  # a rank already gone
                 self.call(STOP)
@@ -232,6 +240,7 @@ def run_worker(rank: int, config: EngineConfig, model_config: ModelConfig, max_m
     """A worker rank's process: join the group, build this rank's runner, say so, then make
     every call rank 0 makes (`TensorParallel.call`) until it says stop. A failure is reported
     through `pipe`, with its traceback, before the process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops the workers
     try:
         TensorParallel.join(config, rank, dist.TCPStore(HOST, port, config.tensor_parallel_size, is_master=False))
         tp = TensorParallel(rank, config.tensor_parallel_size)
