@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -58,14 +59,16 @@ def fill_weights(module: nn.Module, model_dir: str | Path, load_format: str) -> 
 def init_dummy_weights(module: nn.Module, seed: int = 0) -> None:
     """Random weights for speed measurements (only config.json is read): small normal
     matrices, unit norms, zero integer buffers (an EAGLE-3 d2t of zeros maps draft id i
-    to target id i)."""
+    to target id i). Each matrix is seeded by its name's CRC, the same in every process, so
+    runs repeat and tensor-parallel ranks hold the same replicated weights (an MoE router
+    that differed between ranks would route each rank's tokens apart)."""
     for name, tensor in module.state_dict().items():
         if not tensor.is_floating_point():
             tensor.zero_()
         elif tensor.dim() == 1:
             tensor.fill_(1.0 if "norm" in name else 0.0)
         else:
-            g = torch.Generator(tensor.device).manual_seed(seed + hash(name) % 10_000)
+            g = torch.Generator(tensor.device).manual_seed(seed + zlib.crc32(name.encode()))
             tensor.normal_(0.0, 0.02, generator=g)
 
 
