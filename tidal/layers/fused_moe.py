@@ -9,8 +9,9 @@ The grouping is a counting sort in small Triton kernels, into buffers whose size
 shapes only; blocks past the data-dependent number in use find an out-of-range expert and
 exit. So the whole of fused_moe can be captured in a CUDA graph.
 
-The router's softmax, top k and renormalisation are one launch too (`route`): as torch ops
-they were five launches a layer, a fifth of a batch-1 step on an H200.
+The router's softmax, top k and renormalisation are one launch too (`route`), and so is the
+sum over each token's k experts: at batch 1 a layer's launches, not its bytes, set much of
+its time (docs/design.md, "Mixture-of-Experts targets").
 
 Integer arguments that follow the token count are not specialised on, so start-up's variants
 cover every step (docs/design.md, "Every kernel is built at start-up").
@@ -238,8 +239,8 @@ _SUM_BLOCK = 512
 
 @triton.jit
 def _sum_slots_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (t, h-tile): out[t, h] = sum_j x[t * TOP_K + j, h], added in float32. (torch's
-    sum over the middle dim of [T, k, H] took 4.9 us a layer at T = 1 on an H200.)"""
+    """Program (t, h-tile): out[t, h] = sum_j x[t * TOP_K + j, h], added in float32 (torch's
+    reduction over the middle dim of [T, k, H] suits long rows, not k short ones)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
