@@ -556,3 +556,40 @@ def test_the_server_exits_non_zero_when_its_engine_process_dies(checkpoint):
         assert len(core) == 1  # the engine core (beside multiprocessing's resource tracker)
         os.kill(int(core[0]), signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
+
+
+def descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children] + [d for c in children for d in descendants(int(c))]
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie waiting to be reaped."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except FileNotFoundError:
+        return False
+    return "Z" not in state.split()[1]
+
+
+def test_a_server_of_two_tensor_parallel_ranks_serves_one_ranks_tokens_and_stops_them(checkpoint):
+    """`tidal serve --tensor-parallel-size 2`: the openai client gets one rank's greedy tokens,
+    and on SIGTERM the server ends with its core process and the rank that process started."""
+    from tidal import LLM
+
+    prompt = "Split over two ranks"
+    want = LLM(model=checkpoint("llama"), dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    with tidal_serve(checkpoint, "--tensor-parallel-size", "2") as (url, proc):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+        assert got.choices[0].text == want
+        processes = descendants(proc.pid)
+        spawned = [p for p in processes if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(spawned) == 2  # the engine core and the rank it started
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while any(running(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in processes if running(p)]
