@@ -4,7 +4,7 @@ and with others, the router's torch ops against its one kernel, and `fused.gemv`
 products) at the attention's and router's shapes with other tiles, beside cuBLAS. Each
 variant runs over 8 layers of distinct weights in one CUDA graph, so weights come from HBM
 as in a model's step, not from L2; times are per layer. Against them, the floor: the bytes
-read at the copy bandwidth. Checks each variant against the torch reference first. Prints
+read at the copy bandwidth (`moe_gpu.copy_bandwidth`). Checks each variant against the torch reference first. Prints
 tables; writes JSON to $OUT/fused_moe_sweep.json.
 
     PYTHONPATH=. python benchmarks/fused_moe_sweep.py
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moe_gpu import copy_bandwidth
 from tidal.layers import fused
 from tidal.layers.fused_moe import _config, fused_moe, route
 from tidal.layers.moe import experts_reference, route_reference
@@ -56,20 +57,6 @@ def graph_us(fn, reps: int = 20) -> float:
         end.synchronize()
         best = min(best, start.elapsed_time(end) * 1e3 / reps)
     return best / LAYERS
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second a device-to-device copy moves (read + write), as moe_gpu.py measures it."""
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 5 / (start.elapsed_time(end) / 1e3)
 
 
 def moe_rows(tokens_list, bandwidth, gen) -> list[dict]:
@@ -128,7 +115,7 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth("cuda")
     result = {"copy_bytes_per_s": bandwidth, "moe": moe_rows(args.tokens, bandwidth, gen),
               "gemv": gemv_rows(bandwidth, gen)}
     out = Path(os.environ.get("OUT", "out"))
