@@ -46,6 +46,10 @@ class ForwardBatch:
     slot_mapping: torch.Tensor     # [T] int64, KV slot (page * page_size + offset) per token; -1 = skip
     max_query_len: int             # host copies of the maxima, so kernels pick grids without a sync
     max_seq_len: int
+    # Trees of drafts (None: causal only). A key at index L >= tree_start[i] of request i is
+    # seen by query token t only if bit L - tree_start[i] of tree_mask[t] is set (-1: all).
+    tree_mask: torch.Tensor | None = None   # [T] int64
+    tree_start: torch.Tensor | None = None  # [B] int32
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,8 @@ class TorchAttention:
         short = [i for i in rows if starts[i + 1] - starts[i] <= BATCHED_QUERY_LEN]
         groups = ([short] if short else []) + [[i] for i in rows if starts[i + 1] - starts[i] > BATCHED_QUERY_LEN]
         for group in groups:
-            attend(q, out, kv_cache, batch.page_table, starts, seq_lens, group, scale)
+            attend(q, out, kv_cache, batch.page_table, starts, seq_lens, group, scale,
+                   None if batch.tree_mask is None else (batch.tree_mask, batch.tree_start))
         return out
 
 
@@ -56,9 +57,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 
 def attend(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, page_table: torch.Tensor,
-           starts: list[int], seq_lens: list[int], rows: list[int], scale: float) -> None:
+           starts: list[int], seq_lens: list[int], rows: list[int], scale: float,
+           tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Causal attention for `rows`, written into `out`. Row r's n query tokens are the last
-    n positions of its context of seq_lens[r] keys: query j sees keys 0 .. seq_len - n + j.
+    n positions of its context of seq_lens[r] keys: query j sees keys 0 .. seq_len - n + j;
+    with `tree` (`ForwardBatch.tree_mask`, `tree_start`), of the keys from tree_start[r] on
+    only those its mask names.
     Queries are padded to the longest n and contexts to the longest seq_len; the padding
     is masked out (keys) or dropped (queries). Grouped-query heads share a kv head."""
     _, num_heads, head_dim = q.shape
@@ -73,7 +77,13 @@ def attend(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor, page_tabl
     values = kv_cache[1, pages].flatten(1, 2)[:, :context].float()
     queries = q[index].float().view(len(rows), width, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bwkgd,blkd->bkgwl", queries, keys) * scale
-    hidden = torch.arange(context, device=device)[None, None, :] > query_pos[:, :, None]  # [b, W, L]: future or padding
+    keys_at = torch.arange(context, device=device)
+    hidden = keys_at[None, None, :] > query_pos[:, :, None]  # [b, W, L]: future or padding
+    if tree is not None:
+        mask, start = tree
+        rel = keys_at[None, None, :] - start[torch.tensor(rows, device=device)].long()[:, None, None]
+        bits = (mask[index][:, :, None] >> rel.clamp(0, 63)) & 1
+        hidden |= (rel >= 0) & (bits == 0)
     scores.masked_fill_(hidden[:, None, None], float("-inf"))
     result = torch.einsum("bkgwl,blkd->bwkgd", scores.softmax(dim=-1), values).flatten(2, 3)
     valid = torch.arange(width, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
