@@ -229,7 +229,7 @@ def test_accept_matching_commits_what_verify_commits(simulate):
     counters = torch.arange(B) * 7
     if simulate is not None:
         st = replace(st, simulated=torch.full((B, K), simulate))
-    want_tokens, want_accept = verify(logits, drafts, lens, st, counters)
+    want_tokens, want_accept, _ = verify(logits, drafts, lens, st, counters)
     u = None if simulate is None else hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + torch.arange(K),
                                                    STREAM_ACCEPT) / simulate
     tokens, accept = fused.accept_matching(best, drafts, lens, u)

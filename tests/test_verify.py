@@ -32,12 +32,12 @@ def test_greedy_by_hand():
         [5, 9, 7],  # K = 2, second rejected -> 5 then correction 6
     ])
     lens = torch.tensor([3, 3, 0, 2])
-    tokens, accept = verify(logits, drafts, lens, greedy_st(4), torch.zeros(4, dtype=torch.int64))
+    tokens, accept, _ = verify(logits, drafts, lens, greedy_st(4), torch.zeros(4, dtype=torch.int64))
     assert accept.tolist() == [4, 1, 1, 2]
     committed = [tokens[i, :a].tolist() for i, a in enumerate(accept.tolist())]
     assert committed == [[1, 2, 3, 4], [1], [7], [5, 6]]
     # padding past K_i is ignored even when it matches the target
-    tokens, accept = verify(logits[3:], torch.tensor([[5, 6, 7]]), torch.tensor([1]), greedy_st(1),
+    tokens, accept, _ = verify(logits[3:], torch.tensor([[5, 6, 7]]), torch.tensor([1]), greedy_st(1),
                             torch.zeros(1, dtype=torch.int64))
     assert accept.tolist() == [2] and tokens[0, :2].tolist() == [5, 6]
 
@@ -51,10 +51,10 @@ def test_greedy_rows_in_a_sampling_batch_match_greedy_path():
     drafts[2, 2] = (drafts[2, 2] + 1) % V
     lens = torch.tensor([3, 3, 3, 2, 0, 1])
     counters = torch.zeros(B, dtype=torch.int64)
-    expected, expected_accept = verify(logits, drafts, lens, greedy_st(B), counters)
+    expected, expected_accept, _ = verify(logits, drafts, lens, greedy_st(B), counters)
     params = [SamplingParams(temperature=0)] * (B - 1) + [SamplingParams(top_p=0.5)]
     mixed = SamplingTensors.build(params, list(range(B)), "cpu")
-    tokens, accept = verify(logits, drafts, lens, mixed, counters)
+    tokens, accept, _ = verify(logits, drafts, lens, mixed, counters)
     assert torch.equal(accept[:-1], expected_accept[:-1])
     for i in range(B - 1):
         assert torch.equal(tokens[i, :accept[i]], expected[i, :accept[i]])
@@ -67,7 +67,7 @@ def test_no_drafts_is_plain_sampling():
     params = [SamplingParams(temperature=0.9, top_k=10), SamplingParams(min_p=0.1), SamplingParams(temperature=0)] * 21
     st = SamplingTensors.build(params + [SamplingParams()], list(range(B)), "cpu")
     counters = torch.arange(B) * 3
-    tokens, accept = verify(logits, torch.zeros(B, 0, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+    tokens, accept, _ = verify(logits, torch.zeros(B, 0, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
                             st, counters)
     assert tokens.shape == (B, 1) and (accept == 1).all()
     assert torch.equal(tokens[:, 0], sample(logits[:, 0], st, counters))
@@ -81,7 +81,7 @@ def test_accept_lens_stay_in_range():
     drafts = torch.randint(0, V, (B, W - 1))
     for sim in (None, [[0.7] * (W - 1)] * B):
         st = SamplingTensors.build([SamplingParams(temperature=1.0)] * B, list(range(B)), "cpu", sim)
-        _, accept = verify(logits, drafts, lens, st, torch.zeros(B, dtype=torch.int64))
+        _, accept, _ = verify(logits, drafts, lens, st, torch.zeros(B, dtype=torch.int64))
         assert ((accept >= 1) & (accept <= lens + 1)).all()
 
 
@@ -124,7 +124,7 @@ def spec_step(prev, seeds, counters, params, K=2, draft="coupled", simulate=None
         else:
             inputs.append(dist.argmax(-1))
     logits = torch.log(T[torch.stack(inputs, 1)])  # [n, K + 1, V]
-    return verify(logits, torch.stack(inputs[1:], 1), torch.full((n,), K), st, counters)
+    return verify(logits, torch.stack(inputs[1:], 1), torch.full((n,), K), st, counters)[:2]
 
 
 def first_two_tokens(params=None, **kwargs):
@@ -201,7 +201,7 @@ def test_simulated_acceptance_length_and_tokens():
     logits = torch.randn(1, K + 1, 50).expand(B, K + 1, 50)
     drafts = torch.randint(0, 50, (B, K))
     st = SamplingTensors.build([SamplingParams(temperature=0)] * B, list(range(B)), "cpu", [rates] * B)
-    tokens, accept = verify(logits, drafts, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64))
+    tokens, accept, _ = verify(logits, drafts, torch.full((B,), K), st, torch.zeros(B, dtype=torch.int64))
     accepted = (accept - 1).double()
     expected = sum(math.prod(rates[:j]) for j in range(1, K + 1))
     assert abs(accepted.mean().item() - expected) < 4 * accepted.std().item() / B ** 0.5
@@ -212,7 +212,7 @@ def test_simulated_acceptance_length_and_tokens():
     # the rates also hold for sampling rows and ragged draft lengths
     lens = torch.randint(0, K + 1, (B,))
     st = SamplingTensors.build([SamplingParams()] * B, list(range(B)), "cpu", [rates] * B)
-    _, accept = verify(logits, drafts, lens, st, torch.zeros(B, dtype=torch.int64))
+    _, accept, _ = verify(logits, drafts, lens, st, torch.zeros(B, dtype=torch.int64))
     expected = sum(sum(math.prod(rates[:j]) for j in range(1, k + 1)) for k in range(K + 1)) / (K + 1)
     assert abs((accept - 1).double().mean().item() - expected) < 0.03
 

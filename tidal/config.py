@@ -14,6 +14,7 @@ SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 SPEC_POLICIES = ("off", "fixed", "table", "goodput")
 COST_MODELS = ("profile", "online")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_DRAFT_TOKENS = 63  # a tree's nodes and its root fit one 64-bit attention mask
 
 
 @dataclass(frozen=True)
@@ -88,20 +89,23 @@ class SimulatedAcceptance:
     target's). `mean` gives the rate per draft position (its last entry repeats); with `std`
     > 0 each request draws its own rate at position 1 from a Beta distribution of that mean
     and standard deviation (from its seed: the same request draws the same), and its later
-    positions keep their ratio to position 1. Given as a number, a list per position, or
-    {"mean": number or list, "std": s}."""
+    positions keep their ratio to position 1. For trees of drafts, a node's best child is
+    taken with its depth's rate, and its r-th best with that rate times `sibling`^r (0: only
+    the best child is ever the target's token). Given as a number, a list per position, or
+    {"mean": number or list, "std": s, "sibling": f}."""
 
     mean: tuple[float, ...]
     std: float = 0.0
+    sibling: float = 0.0
 
     @staticmethod
     def parse(value, field: str = "speculative_config.simulate_acceptance") -> "SimulatedAcceptance | None":
         if value is None or isinstance(value, SimulatedAcceptance):
             return value
         spec = value if isinstance(value, dict) else {"mean": value}
-        if set(spec) - {"mean", "std"} or "mean" not in spec:
-            raise ValueError(f"{field}: want a number, a list per draft position or {{'mean': ..., 'std': ...}}, "
-                             f"got {value!r}")
+        if set(spec) - {"mean", "std", "sibling"} or "mean" not in spec:
+            raise ValueError(f"{field}: want a number, a list per draft position or "
+                             f"{{'mean': ..., 'std': ..., 'sibling': ...}}, got {value!r}")
         mean = spec["mean"] if isinstance(spec["mean"], (list, tuple)) else [spec["mean"]]
         std = spec.get("std", 0.0)
         if not mean or not all(isinstance(a, (int, float)) and 0 <= a <= 1 for a in mean):
@@ -110,7 +114,10 @@ class SimulatedAcceptance:
         if not isinstance(std, (int, float)) or std < 0 or (std > 0 and not std ** 2 < first * (1 - first)):
             raise ValueError(f"{field}.std must be >= 0 and, with a mean of {first} at position 1, below "
                              f"{(first * (1 - first)) ** 0.5:.3f} (a Beta distribution's largest), got {std!r}")
-        return SimulatedAcceptance(tuple(float(a) for a in mean), float(std))
+        sibling = spec.get("sibling", 0.0)
+        if not isinstance(sibling, (int, float)) or not 0 <= sibling < 1:
+            raise ValueError(f"{field}.sibling must be in [0, 1), got {sibling!r}")
+        return SimulatedAcceptance(tuple(float(a) for a in mean), float(std), float(sibling))
 
     def rates(self, seed: int, k: int) -> list[float]:
         """A request's acceptance rate per draft position 1 .. k."""
@@ -124,13 +131,17 @@ class SimulatedAcceptance:
 
     def describe(self) -> str:
         rates = "/".join(f"{a:g}" for a in self.mean)
-        return rates + (f" (per request: Beta, std {self.std:g})" if self.std else "")
+        return (rates + (f" (per request: Beta, std {self.std:g})" if self.std else "")
+                + (f", each further child x{self.sibling:g}" if self.sibling else ""))
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding, with vLLM's key names. `policy` decides each request's draft
-    length per step; `num_speculative_tokens` is the most it may choose."""
+    length per step; `num_speculative_tokens` is the most it may choose. With `topk` > 1
+    the drafter grows a tree (each draft step expands the best `topk` nodes by their `topk`
+    likeliest tokens, `num_speculative_tokens` steps deep) and a request verifies its best
+    nodes, at most `num_draft_tokens` (the policy's K counts nodes then)."""
 
     method: str
     num_speculative_tokens: int
@@ -143,6 +154,8 @@ class SpecConfig:
     prompt_lookup_min: int = 2           # n-gram sizes tried, longest first
     prompt_lookup_max: int = 4
     simulate_acceptance: SimulatedAcceptance | None = None  # benchmarks only (SimulatedAcceptance)
+    topk: int = 1                        # tokens per expanded node of a draft tree (1: a chain)
+    num_draft_tokens: int | None = None  # nodes a request verifies at most (None: num_speculative_tokens)
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -158,7 +171,7 @@ class SpecConfig:
         if self.policy == "table" or self.table is not None:
             if self.policy != "table":
                 raise ValueError(f"speculative_config.table is only used by policy 'table', not {self.policy!r}")
-            object.__setattr__(self, "table", parse_table(self.table, k))
+            object.__setattr__(self, "table", parse_table(self.table, self.num_draft_tokens or k))
         if self.cost_model not in COST_MODELS:
             raise ValueError(
                 f"speculative_config.cost_model: unknown {self.cost_model!r}; expected one of {COST_MODELS}")
@@ -167,6 +180,39 @@ class SpecConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max")
         object.__setattr__(self, "simulate_acceptance", SimulatedAcceptance.parse(self.simulate_acceptance))
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        topk, n, k = self.topk, self.num_draft_tokens, self.num_speculative_tokens
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ValueError(f"speculative_config.topk must be an integer >= 1, got {topk!r}")
+        if n is None:
+            object.__setattr__(self, "num_draft_tokens", k)
+            n = k
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"speculative_config.num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], got {n!r}")
+        if topk == 1 and n != k:
+            raise ValueError(f"speculative_config.num_draft_tokens: a chain (topk 1) verifies its "
+                             f"num_speculative_tokens = {k} drafts, got {n}")
+        if topk > 1:
+            if self.method not in ("draft_model", "eagle3"):
+                raise ValueError(f"speculative_config.topk: method {self.method!r} drafts chains only (topk 1)")
+            if topk > n:
+                raise ValueError(f"speculative_config.topk ({topk}) must not exceed num_draft_tokens ({n})")
+            if n > topk + (k - 1) * topk * topk:
+                raise ValueError(f"speculative_config.num_draft_tokens ({n}) exceeds the {topk + (k - 1) * topk * topk} "
+                                 f"nodes a tree of topk {topk}, num_speculative_tokens {k} deep grows")
+            sim = self.simulate_acceptance
+            if sim is not None and max(sim.mean) * sum(sim.sibling ** r for r in range(topk)) > 1:
+                raise ValueError(f"speculative_config.simulate_acceptance: a node's {topk} children would be the "
+                                 f"target's token with a total chance above 1 (rate {max(sim.mean):g}, sibling "
+                                 f"{sim.sibling:g})")
+
+    @property
+    def max_draft_len(self) -> int:
+        """The most tokens a request verifies beyond its own: a chain's length, or a tree's nodes."""
+        return self.num_draft_tokens
 
     @staticmethod
     def from_dict(d: dict | str | "SpecConfig" | None) -> "SpecConfig | None":
@@ -240,3 +286,5 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         object.__setattr__(self, "speculative_config", SpecConfig.from_dict(self.speculative_config))
+        if self.tensor_parallel_size > 1 and self.speculative_config and self.speculative_config.topk > 1:
+            raise ValueError("speculative_config.topk: trees of drafts run on one rank only (tensor_parallel_size 1)")

@@ -106,7 +106,7 @@ class EngineCore:
         capture_s = time.perf_counter() - capture_started
         if spec and self.speculation.profiles_costs:
             self.speculation.cost_model = cached_costs(cost_key(self.runner, proposer), lambda: measure_costs(
-                self.runner, proposer, config.max_num_seqs, spec.num_speculative_tokens, self.max_model_len,
+                self.runner, proposer, config.max_num_seqs, spec.max_draft_len, self.max_model_len,
                 spec.profile_seconds))
         return capture_s
 

@@ -27,10 +27,12 @@ class CudaGraphs:
     def __init__(self, forward: Callable[[ForwardBatch, torch.Tensor | None], object], page_size: int,
                  max_model_len: int, max_batch: int, max_width: int, device: torch.device,
                  state_width: int = 0, state_dtype: torch.dtype | None = None, per_row: bool = False,
-                 inputs_of: "CudaGraphs | None" = None):
+                 inputs_of: "CudaGraphs | None" = None, trees: bool = False):
         """forward(batch, state) runs the model; its outputs are per token, or per request
         when `per_row` (e.g. a drafter's logits at each request's last token). With
-        `inputs_of`, the graphs read that set's input buffers (so one `load` serves both)."""
+        `inputs_of`, the graphs read that set's input buffers (so one `load` serves both).
+        With `trees`, the batches carry tree inputs (`ForwardBatch.tree_mask`), which every
+        `load` resets to none and a step with trees then sets."""
         self.forward = forward
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -51,13 +53,18 @@ class CudaGraphs:
                                           device=device)
             self.state = (torch.zeros(max_tokens, state_width, dtype=state_dtype, device=device)
                           if state_width else None)
+        self.tree_mask = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if trees else None
+        self.tree_start = torch.zeros(max_batch, dtype=torch.int32, device=device) if trees else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, object]] = {}
 
     def view(self, b: int, w: int) -> ForwardBatch:
         ids, positions, slots = token_fields(self.tokens, b * w)
         query_start_loc, seq_lens, last_index = row_fields(self.rows, b)
-        return ForwardBatch(ids, positions, query_start_loc, seq_lens, last_index, self.page_table[:b], slots,
-                            max_query_len=w, max_seq_len=self.max_model_len)
+        batch = ForwardBatch(ids, positions, query_start_loc, seq_lens, last_index, self.page_table[:b], slots,
+                             max_query_len=w, max_seq_len=self.max_model_len)
+        if self.tree_mask is not None:
+            batch.tree_mask, batch.tree_start = self.tree_mask[:b * w], self.tree_start[:b]
+        return batch
 
     @torch.inference_mode()
     def capture(self, pool=None):
@@ -108,6 +115,9 @@ class CudaGraphs:
             self.state[:num_tokens].copy_(state)
         if rejected is not None:
             self.inputs((b, width)).move_back(rejected, self.page_size)
+        if self.tree_mask is not None:  # no trees unless the step's own (`TreeInputs.apply`)
+            self.tree_mask.fill_(-1)
+            self.tree_start.fill_(torch.iinfo(torch.int32).max)
         return b, width
 
     def inputs(self, key: tuple[int, int]) -> ForwardBatch:

@@ -82,6 +82,8 @@ class InputProcessor:
         req = Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
         if simulated is not None:
             req.simulated_acceptance = simulated.rates(seed, self.spec.num_speculative_tokens)
+            if self.spec.topk > 1:  # (trees: the sibling factor rides last, `verify`)
+                req.simulated_acceptance.append(simulated.sibling)
         return req
 
     def encode(self, text: str) -> list[int]:

@@ -78,14 +78,14 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> f
 
 def largest_step_pages(config, page_size: int) -> int:
     """Pages the largest steps (`run_largest_steps`) use."""
-    k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+    k = config.speculative_config.max_draft_len if config.speculative_config else 0
     rows = verify_rows(config)
     return rows * -(-(page_size + 2 + 2 * k) // page_size) + -(-(config.max_num_batched_tokens + 2 * k + 2) // page_size) + 1
 
 
 def verify_rows(config) -> int:
     """The most rows a verification step can have: the token budget holds 1 + K a row."""
-    k = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+    k = config.speculative_config.max_draft_len if config.speculative_config else 0
     return max(1, min(config.max_num_seqs, config.max_num_batched_tokens // (1 + k)))
 
 

@@ -27,6 +27,7 @@ from tidal.layers.linear import heads_per_rank, tensor_parallel
 from tidal.layers.sampler import SamplingTensors, compute_logprobs
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
+from tidal.speculative.tree import tree_shape
 from tidal.speculative.verify import verify
 from tidal.step import Ahead, Drafts, Span, StepPlan, StepResult
 
@@ -64,6 +65,27 @@ class StepInputs:
     sampled: bool            # some row samples, so the step takes logits
 
 
+@dataclass
+class TreeInputs:
+    """A step's trees of drafts, on the device (`ModelRunner._tree_inputs`)."""
+
+    shift: torch.Tensor   # [T] int64: how far each token's position lies before its index (a node's: index - depth)
+    mask: torch.Tensor    # [T] int64: `ForwardBatch.tree_mask`
+    starts: torch.Tensor  # [B] int32: `ForwardBatch.tree_start`, each row's root
+    slots: torch.Tensor   # [B, W] int64: each row's root and node slots (past its nodes, its root's)
+
+    def apply(self, batch: ForwardBatch) -> None:
+        """Set a batch's tree inputs: one built for the step, or a graph's (whose rows and
+        tokens past the step's have no tree)."""
+        n, b = len(self.shift), len(self.starts)
+        batch.positions[:n].sub_(self.shift)
+        if batch.tree_mask is None:
+            batch.tree_mask, batch.tree_start = self.mask, self.starts
+        else:
+            batch.tree_mask[:n].copy_(self.mask)
+            batch.tree_start[:b].copy_(self.starts)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len: int,
                  max_draft_len: int = 0, tp=None):
@@ -71,6 +93,8 @@ class ModelRunner:
         self.config = config
         self.max_model_len = max_model_len
         self.max_draft_len = max_draft_len  # the most drafts a row verifies (the speculation's K limit)
+        spec = config.speculative_config
+        self.tree_drafts = spec is not None and spec.topk > 1  # its graphs take tree inputs
         self.model_config = model_config
         self.tp = tp
         rank, size = (tp.rank, tp.size) if tp else (0, 1)
@@ -153,7 +177,7 @@ class ModelRunner:
             return
         self.graphs = CudaGraphs(lambda batch, state: self.model(batch.input_ids, batch, self.kv_caches),
                                  self.page_size, self.max_model_len, self.config.max_num_seqs,
-                                 1 + self.max_draft_len, self.device)
+                                 1 + self.max_draft_len, self.device, trees=self.tree_drafts)
         self.graphs.capture()
         self.pieces = PiecewiseGraphs(self.model, self.attn, self.kv_caches, self.config.max_num_batched_tokens,
                                       self.page_size, self.device)
@@ -223,10 +247,14 @@ class ModelRunner:
         inputs = StepInputs(feeds, contexts, [r.pages for r in reqs],
                             decode_only=len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens),
                             sampled=bool(rows))
+        tree = self._tree_inputs(plan, feeds, contexts, drafts) if drafts is not None and drafts.parents is not None \
+            else None
         logits = self.forward_step(inputs, self._device_inputs(plan, feeds, drafts, ahead),
-                                   ahead.rejected if ahead else None, logit_index)
+                                   ahead.rejected if ahead else None, logit_index, tree)
         if rows:
             self._verify(step, logits, drafts, counters, ks, subset)
+            if tree is not None:
+                self._keep_accepted(step, tree.slots if len(rows) == len(reqs) else tree.slots[subset])
         if self.device.type == "cuda":
             step.done = torch.cuda.Event(enable_timing=True)
             step.done.record()
@@ -234,20 +262,25 @@ class ModelRunner:
 
     @on_every_rank
     def forward_step(self, inputs: StepInputs, input_ids: torch.Tensor | None, rejected: torch.Tensor | None,
-                     logit_index: torch.Tensor | None) -> torch.Tensor | None:
+                     logit_index: torch.Tensor | None, tree: TreeInputs | None = None) -> torch.Tensor | None:
         """The step's forward, and its logits where some row samples: at `logit_index`, or at
         every token where that is None. `input_ids` (on the device) replace the fed tokens;
-        rows are moved back by the drafts a step in flight `rejected`. The logits are rank
-        0's; the other ranks' calls return None."""
+        rows are moved back by the drafts a step in flight `rejected`; trees of drafts take
+        their nodes' positions and masks from `tree`. The logits are rank 0's; the other
+        ranks' calls return None."""
         num_tokens = sum(len(f) for f in inputs.feeds)
-        bucket = self.pieces.bucket(num_tokens) if self.pieces is not None else None
+        bucket = self.pieces.bucket(num_tokens) if self.pieces is not None and tree is None else None
+        adjust = None
+        if rejected is not None:
+            adjust = lambda batch: batch.move_back(rejected, self.page_size)  # noqa: E731
+        elif tree is not None:
+            adjust = tree.apply
         out, slot_mapping = forward_rows(
             self.graphs if inputs.decode_only else None,
             lambda batch, _: self.model(batch.input_ids, batch, self.kv_caches) if bucket is None
             else self.pieces.run(batch, num_tokens),
             inputs.feeds, inputs.contexts, inputs.pages, self.page_size, self.device, input_ids=input_ids,
-            pad_tokens=bucket or 0,
-            adjust=None if rejected is None else lambda batch: batch.move_back(rejected, self.page_size))
+            pad_tokens=bucket or 0, adjust=adjust)
         hidden = out
         if self.aux_cache is not None:
             hidden, aux = out
@@ -299,8 +332,12 @@ class ModelRunner:
         tokens = drafts.tokens[:, :width - 1] if width > 1 else logits.new_zeros(len(rows), 0, dtype=torch.int64)
         if len(subset):
             tokens = tokens[subset]
+        parents = None
+        if drafts is not None and drafts.parents is not None:
+            parents = drafts.parents[subset] if len(subset) else drafts.parents
         sampled = [reqs[i] for i in rows]
-        step.tokens, step.accepted = verify(logits, tokens, ks, self.sampling_tensors(sampled), counters)
+        step.tokens, step.accepted, step.path = verify(logits, tokens, ks, self.sampling_tensors(sampled), counters,
+                                                       parents)
         if width > 1:
             step.rejected = ks + 1 - step.accepted
         wanted = [r.params.logprobs for r in sampled]
@@ -308,7 +345,47 @@ class ModelRunner:
             b, w, v = logits.shape
             step.logprobs = (wanted, compute_logprobs(logits.view(b * w, v), step.tokens.reshape(-1),
                                                       max(n or 0 for n in wanted)))
-        step.copy_to_host(torch.cat([step.tokens, step.accepted[:, None]], dim=1))
+        step.copy_to_host(torch.cat([step.tokens] + ([step.path] if step.path is not None else [])
+                                    + [step.accepted[:, None]], dim=1))
+
+    def _tree_inputs(self, plan: StepPlan, feeds: list[list[int]], contexts: list[int], drafts: Drafts) -> TreeInputs:
+        """A step's trees as its forward takes them: each node at its root's position plus its
+        depth, seeing only its ancestors (`ForwardBatch.tree_mask`); and the slots of every
+        row's root and nodes, where the accepted path's KV is moved (`_keep_accepted`)."""
+        depth, ancestors = tree_shape(drafts.parents)
+        width = depth.shape[1]
+        ps, at, source, offset, starts, slots = self.page_size, [], [], [], [], []
+        end = 0
+        for i, (feed, ctx, k, req) in enumerate(zip(feeds, contexts, plan.draft_lens, plan.requests)):
+            root = ctx + len(feed) - 1 - k  # the root's key index: the row's own last token
+            starts.append(root if k else ctx + len(feed))
+            root_at = end + len(feed) - 1 - k
+            at += range(root_at, root_at + 1 + k)
+            source += range(i * width, i * width + 1 + k)
+            offset += range(1 + k)
+            slots.append([req.pages[p // ps] * ps + p % ps for p in range(root, root + 1 + k)] + [0] * (width - 1 - k))
+            end += len(feed)
+        at_t, source_t, offset_t, starts_t = to_device_parts([at, source, offset, starts], torch.int64, self.device)
+        slots_t = to_device([s for row in slots for s in row], torch.int64, self.device).view(len(feeds), width)
+        slots_t = torch.where(slots_t > 0, slots_t, slots_t[:, :1])  # past a row's nodes: its root
+        mask = torch.full((end,), -1, dtype=torch.int64, device=self.device)
+        mask[at_t] = ancestors.view(-1)[source_t]
+        shift = torch.zeros(end, dtype=torch.int64, device=self.device)
+        shift[at_t] = offset_t - depth.view(-1)[source_t]
+        return TreeInputs(shift, mask, starts_t.to(torch.int32), slots_t)
+
+    def _keep_accepted(self, step: PendingStep, slots: torch.Tensor) -> None:
+        """Move the KV (and hidden states) of each row's accepted nodes from their slots to the
+        slots of the sequence positions they now hold: root + 1, root + 2, ... `slots`
+        [rows, W] are each sampling row's root and node slots."""
+        keep = torch.arange(slots.shape[1], device=slots.device)[None, :] < step.accepted[:, None]
+        src = torch.where(keep, slots.gather(1, step.path), slots).view(-1)
+        dst = slots.view(-1)
+        for cache in self.kv_caches:
+            flat = cache.view(2, -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
+        if self.aux_cache is not None:
+            self.aux_cache[dst] = self.aux_cache[src]
 
 
 class PendingStep:
@@ -321,6 +398,7 @@ class PendingStep:
         self.width = width
         self.tokens: torch.Tensor | None = None  # [len(rows), W] on the device
         self.accepted: torch.Tensor | None = None  # [len(rows)] on the device: tokens committed
+        self.path: torch.Tensor | None = None      # [len(rows), W] on the device: trees' accepted nodes
         self.rejected: torch.Tensor | None = None  # and drafts rejected (1 + K_i - accepted; None at W = 1)
         self.logprobs = None        # (logprobs wanted per sampled row, their device tensors)
         self.host: torch.Tensor | None = None
@@ -397,8 +475,13 @@ class PendingStep:
             return StepResult(token_ids, accept_lens)
         if self.done is not None:
             self.done.synchronize()
-        token_ids[self.rows], accept_lens[self.rows] = self.host[:, :-1], self.host[:, -1]
-        return StepResult(token_ids, accept_lens, self._logprobs())
+        w = self.width
+        token_ids[self.rows], accept_lens[self.rows] = self.host[:, :w], self.host[:, -1]
+        paths = None
+        if self.path is not None:
+            paths = torch.zeros(b, w, dtype=torch.int64)
+            paths[self.rows] = self.host[:, w:2 * w]
+        return StepResult(token_ids, accept_lens, self._logprobs(), paths)
 
     def _logprobs(self):
         if self.logprobs is None:

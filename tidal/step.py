@@ -47,6 +47,9 @@ class StepResult:
     # Per row, one {token id: logprob} dict per position (None for rows that did not ask);
     # None when no request asked.
     logprobs: list[list[dict[int, float]] | None] | None = None
+    # Trees of drafts: per row, the query index of the accepted node at each depth (0: the
+    # root; `tree.accept_tree`); None for chains.
+    paths: torch.Tensor | None = None
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Drafts:
     tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
     lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
     catch_up: Span | None = None    # the drafter absorbing what it missed, where it had to
+    parents: torch.Tensor | None = None  # [B, Kmax] int64: trees (`tree`), each node's parent; None: chains
 
 
 class Span:

@@ -82,8 +82,8 @@ def mode_spec_config(mode: str, base: dict | None) -> dict | None:
         raise ValueError(f"--speculative-config: mode {mode!r} needs a base config with the method, "
                          'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     config = {**base, "policy": mode.split(":")[0]}
-    if mode.startswith("fixed:"):
-        config["num_speculative_tokens"] = int(mode.split(":")[1])
+    if mode.startswith("fixed:"):  # K drafts: a chain's length, or a tree's nodes
+        config["num_draft_tokens" if config.get("topk", 1) > 1 else "num_speculative_tokens"] = int(mode.split(":")[1])
     if config["policy"] != "table":
         config.pop("table", None)
     SpecConfig.from_dict(config)  # a bad config fails here, before any server starts

@@ -22,7 +22,7 @@ class Speculation:
 
     @property
     def max_draft_len(self) -> int:
-        return self.config.num_speculative_tokens
+        return self.config.max_draft_len
 
     @property
     def profiles_costs(self) -> bool:
@@ -38,11 +38,11 @@ class Speculation:
         elif spec.method == "draft_model":
             from tidal.speculative.draft_model import DraftModelProposer
 
-            self.proposer = DraftModelProposer(spec.model, runner, target_config)
+            self.proposer = DraftModelProposer(spec.model, runner, target_config, spec.topk, spec.num_speculative_tokens)
         else:
             from tidal.speculative.eagle3 import Eagle3Proposer
 
-            self.proposer = Eagle3Proposer(spec.model, runner, target_config)
+            self.proposer = Eagle3Proposer(spec.model, runner, target_config, spec.topk, spec.num_speculative_tokens)
         return self.proposer
 
     def make_policy(self, pool, demand, config: EngineConfig) -> SpecPolicy:
@@ -53,6 +53,8 @@ class Speculation:
 
     def describe(self) -> str:
         spec = self.config
-        return (f"{spec.method}{f' ({spec.model})' if spec.model else ''}, K <= {self.max_draft_len}, "
+        return (f"{spec.method}{f' ({spec.model})' if spec.model else ''}, K <= {self.max_draft_len}"
+                + (f" (tree nodes, topk {spec.topk}, depth {spec.num_speculative_tokens})" if spec.topk > 1 else "")
+                + ", "
                 f"policy {spec.policy}" + (f", SIMULATED acceptance {spec.simulate_acceptance.describe()}"
                                            if spec.simulate_acceptance is not None else ""))

@@ -1,5 +1,6 @@
 """Online acceptance estimates: the chance that draft position m of a request is accepted,
-given that positions 1 .. m-1 were.
+given that positions 1 .. m-1 were; for trees of drafts, the chance that a request's m-th
+best node is on the accepted path (`update_nodes`, `marginal`).
 
 Each request keeps decayed counts per position (a request's text drifts, so old steps
 weigh less), shrunk toward a server-wide estimate with Beta-style pseudo-counts: a new
@@ -34,6 +35,9 @@ class AcceptanceModel:
         self.strength = strength  # pseudo-trials behind a request's prior
         self.decay = decay        # per drafting step of a request
         self.memory = memory      # finished requests the server estimate remembers (fading)
+        # Trees: position m is the m-th best node, and its estimate the chance that it is
+        # accepted at all (a node's chance does not wait on the node before it).
+        self.marginal = False
         # Finished requests' `_votes`, and their accepts per position with those their own
         # estimate one position back gave (`_walk`), fading per request that finishes.
         self.past_votes = np.zeros(2)
@@ -129,6 +133,20 @@ class AcceptanceModel:
                 prior = np.minimum(out[:, m - 1] * depth[m], 1 - 1e-3)
             out[:, m] = (accepted[:, m] + self.strength * prior) / (tried[:, m] + self.strength)
         return out, depth
+
+    def gains(self, rows: np.ndarray, limit: int) -> np.ndarray:
+        """[len(rows), limit] expected tokens each further draft adds: a chain's m-th draft
+        counts if every one before it is accepted, a tree's m-th node if it is."""
+        estimates = self.estimates(rows)[:, :limit]
+        return estimates.copy() if self.marginal else np.cumprod(estimates, axis=1)
+
+    def update_nodes(self, rows: np.ndarray, drafted: np.ndarray, hits: np.ndarray) -> None:
+        """Trees: row i verified its best `drafted[i]` nodes, and hits[i, m] says whether its
+        (m + 1)-th best was on the accepted path."""
+        tried = np.arange(self.max_draft_len) < drafted[:, None]
+        self.accepted[rows] = self.accepted[rows] * self.decay + (hits & tried)
+        self.tried[rows] = self.tried[rows] * self.decay + tried
+        self.age[rows] = 0
 
     def update(self, rows: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Row i drafted `drafted[i]` >= 1 tokens, of which the first `accepted[i]` were

@@ -16,13 +16,13 @@ from tidal.speculative.proposer import ChainDrafter
 
 
 class DraftModelProposer(ChainDrafter):
-    def __init__(self, model_dir: str, runner, target_config: ModelConfig):
+    def __init__(self, model_dir: str, runner, target_config: ModelConfig, topk: int = 1, depth: int = 0):
         self.config = ModelConfig.from_pretrained(model_dir)
         if self.config.vocab_size != target_config.vocab_size:
             raise ValueError(
                 f"speculative_config.model: drafter vocabulary ({self.config.vocab_size} tokens) differs from "
                 f"the target's ({target_config.vocab_size})")
-        super().__init__(runner, target_config.vocab_size)
+        super().__init__(runner, target_config.vocab_size, topk, depth)
         self.model = load_model(model_dir, runner.dtype, runner.device, runner.attn, runner.config.load_format)
         self.kv_caches: list[torch.Tensor] = []
 

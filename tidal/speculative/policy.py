@@ -347,9 +347,13 @@ class Goodput:
         drafting = [i for i, r in enumerate(reqs) if requested.get(r, 0) > 0]
         if drafting:
             # A draft the proposer could not make counts as rejected: asking for it bought nothing.
-            self.acceptance.update(self.acceptance.rows([reqs[i] for i in drafting]),
-                                   np.array([requested[reqs[i]] for i in drafting]),
-                                   np.array([accepted[i] - 1 for i in drafting]))
+            rows = self.acceptance.rows([reqs[i] for i in drafting])
+            drafted = np.array([requested[reqs[i]] for i in drafting])
+            if result.paths is None:
+                self.acceptance.update(rows, drafted, np.array([accepted[i] - 1 for i in drafting]))
+            else:
+                self.acceptance.update_nodes(rows, drafted, nodes_hit(result.paths[drafting].numpy(),
+                                                                      self.acceptance.max_draft_len))
         ks = [plan.draft_lens[i] for i in decoding]
         prefill = sum(plan.num_new_tokens) - len(decoding)
         context = sum(reqs[i].num_computed + 1 for i in decoding)
@@ -406,7 +410,7 @@ class _Prices:
         self.context = int(length.sum())
         left = most - (length - prompt)  # tokens the request may still produce
         self.backlog = np.maximum(missed - policy.acceptance.max_draft_len - 1, 0)  # past what a verify step leaves
-        self.gain = np.cumprod(policy.acceptance.estimates(rows)[:, :limit.max()], axis=1)
+        self.gain = policy.acceptance.gains(rows, limit.max())
         self.gain[np.arange(self.gain.shape[1]) >= limit[:, None]] = 0.0
         self.plain_step = float(self.cost.step_time(self.b, 0, 0, 0, self.context))  # the decodes' plain step
         # What each request brings to the step if it drafts: itself, its catch-up, and the
@@ -502,11 +506,19 @@ class _Prices:
                 self.b + (self.gain * drafted).sum(axis=(1, 2)))
 
 
+def nodes_hit(paths: np.ndarray, num_nodes: int) -> np.ndarray:
+    """[rows, num_nodes] bool: whether each row's (m + 1)-th best node, query index m + 1, is
+    on its accepted path (`StepResult.paths`)."""
+    hits = np.zeros((len(paths), num_nodes + 1), dtype=bool)
+    hits[np.arange(len(paths))[:, None], paths] = True
+    return hits[:, 1:]
+
+
 def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int = 256,
                 max_num_batched_tokens: int = 2048, cost_model: CostModel | None = None) -> SpecPolicy:
     """The policy `spec` names. Goodput prices steps with `cost_model` (measured at start-up,
     `tidal.profiling`), or learns the prices from the steps alone when none is given."""
-    k = spec.num_speculative_tokens
+    k = spec.max_draft_len
     if spec.policy == "off":
         policy = Off()
     elif spec.policy == "fixed":
@@ -516,5 +528,6 @@ def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int =
     else:
         policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online"), k,
                          token_budget=max_num_batched_tokens, pool=pool, demand=demand)
+        policy.acceptance.marginal = spec.topk > 1
     policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
     return policy

@@ -22,9 +22,9 @@ from typing import Protocol
 
 import torch
 
-from tidal.batch import ForwardBatch, to_device_parts, with_device_tails
+from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_tails
 from tidal.graphs import CudaGraphs, forward_rows
-from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, sample_from_probs
+from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, hash_uniform_vocab, sample_from_probs
 from tidal.step import Ahead, Drafts, Span, StepPlan
 
 
@@ -60,11 +60,13 @@ class ChainDrafter(ABC):
     the row really is (`ForwardBatch.move_back`). Drafter KV written for tokens not
     committed lies past `num_absorbed` (the commit trims it), so it is never trusted."""
 
-    drafts_ahead = True
-
-    def __init__(self, runner, vocab_size: int):
+    def __init__(self, runner, vocab_size: int, topk: int = 1, depth: int = 0):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
+        # Trees (topk > 1, `_propose_tree`): tokens per expanded node, and draft steps deep.
+        # They are drafted after the step before is committed (no tree is planned ahead).
+        self.topk, self.depth = topk, depth
+        self.drafts_ahead = topk == 1
         self.absorb_tokens = runner.config.max_num_batched_tokens  # most tokens a forward absorbs (`_absorb`)
         max_seqs, k = runner.config.max_num_seqs, runner.max_draft_len
         # Per row, the position the draft steps stop before (`ForwardBatch.advance`); and per
@@ -191,6 +193,8 @@ class ChainDrafter(ABC):
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, rows: list[int], ahead: Ahead | None = None) -> Drafts:
+        if self.topk > 1:
+            return self._propose_tree(plan, rows)
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
         pending = [ahead.commits[i] for i in rows] if ahead else [0] * len(rows)
@@ -316,3 +320,150 @@ class ChainDrafter(ABC):
                 state.copy_(out)
             self._pick(logits, j, sampled)
         return logits
+
+    # -- trees -----------------------------------------------------------------------------
+
+    def _propose_tree(self, plan: StepPlan, rows: list[int]) -> Drafts:
+        """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them:
+        each draft step feeds the `topk` best nodes of the depth before (by their cumulative
+        draft log-probability) and gives each its `topk` likeliest tokens; the K_i best of all
+        the nodes grown are verified. A row of K_i nodes grows min(topk, K_i) wide and so deep
+        that the nodes it feeds fit in its K_i reserved slots: the drafter keeps their KV
+        there, past the row's root, for the step (the target's KV for the tree goes to the
+        same slots, in its own tensors). A sampled row ranks each node's tokens by the race
+        its target draw runs (`_children`), so that its first child is the one `_pick` draws."""
+        runner = self.runner
+        device, ps = runner.device, runner.page_size
+        reqs = [plan.requests[i] for i in rows]
+        ks = [plan.draft_lens[i] for i in rows]
+        st = runner.sampling_tensors(reqs)
+        sampled = not st.all_greedy
+        if sampled:
+            counters = to_device_parts([[r.num_output_tokens for r in reqs]], torch.int64, device)[0]
+            self.temperature[:len(reqs)].copy_(st.temperature)
+            self.seeds[:len(reqs)].copy_(st.seeds)
+            self.counters[:len(reqs)].copy_(counters)
+        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
+        ends = [self.catch_up_end(r, 0) for r in reqs]
+        starts, absorbing = self._absorb(reqs, starts, ends)
+        feeds, state = self.catch_up(reqs, starts, ends)
+        (logits, state), _ = forward_rows(self.catch_up_graphs.get(sampled),
+                                          lambda batch, state: self._catch_up(batch, state, sampled),
+                                          feeds, starts, [r.pages for r in reqs], ps, device, state)
+        widths = [min(self.topk, k) for k in ks]
+        depths = [min(self.depth, 1 + k // w) for k, w in zip(ks, widths)]
+        width, b = max(widths), len(reqs)
+        # Every node grown, depth by depth: its token, cumulative draft log-probability and
+        # parent (its index among the nodes; -1: the root). The nodes fed at the next step
+        # (`front`) carry their scratch slots' mask.
+        score, token = self._children(logits, b, 0, width, sampled, st.simulated)
+        narrow = torch.arange(width, device=device)[None, :] >= to_device(widths, torch.int64, device)[:, None]
+        tokens, scores = [token], [score.masked_fill(narrow, float("-inf"))]
+        parents = [torch.full((b, width), -1, dtype=torch.int64, device=device)]
+        front = torch.arange(width, device=device).expand(b, width)
+        front_mask = 1 << front
+        front_token, front_state = token, None if state is None else state.repeat_interleave(width, 0)
+        grown = width
+        for d in range(1, max(depths)):
+            live = [d < depth for depth in depths]
+            logits, out = self._tree_step(reqs, d, width, live, widths, front_token, front_mask, front_state)
+            score, token = self._children(logits, b, d, width, sampled, st.simulated)  # [b * width, width]
+            score = (torch.cat(scores, 1).gather(1, front).reshape(-1, 1) + score).view(b, width * width)
+            score = score.masked_fill(~to_device(live, torch.bool, device)[:, None], float("-inf"))
+            tokens.append(token.view(b, width * width))
+            scores.append(score)
+            parents.append(front.repeat_interleave(width, 1))
+            best = score.topk(width, dim=1).indices  # the next step's fed nodes, among these
+            fed = best // width
+            front = grown + best
+            front_mask = front_mask.gather(1, fed) | (1 << (d * width + torch.arange(width, device=device)))
+            front_token = tokens[-1].gather(1, best)
+            if out is not None:
+                front_state = out.view(b, width, -1).gather(1, fed[:, :, None].expand(-1, -1, out.shape[-1]))
+                front_state = front_state.reshape(b * width, -1)
+            grown += width * width
+        return self._best_nodes(plan, rows, ks, torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                                absorbing)
+
+    def _children(self, logits: torch.Tensor, rows: int, d: int, width: int, sampled: bool,
+                  simulated: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each fed node's `width` best next tokens (target ids), and the log of how likely
+        each is to be the target's token there. A greedy row's are the drafter's likeliest,
+        at their draft probabilities (the target takes its argmax). A sampled row's are the
+        first in the race its target draw at depth d + 1 runs (the noise of output index
+        counter + d: the first is what `_pick` draws), at a softmax over the race's keys (log
+        q + Gumbel noise): were the target's logits the drafter's, the first would win
+        surely; a Gumbel's worth of doubt about them spreads the odds over the runners-up.
+        Under simulated acceptance (benchmarks; `verify`) the odds are the simulation's, so
+        the tree has the shape a drafter that knew them would grow. logits [rows * group,
+        V_draft], a row's fed nodes together."""
+        keys = torch.log_softmax(logits.float(), dim=-1)
+        if sampled:
+            group = logits.shape[0] // rows
+            temperature = self.temperature[:rows].repeat_interleave(group)
+            hot = temperature > 0
+            noise = hash_uniform_vocab(self.seeds[:rows].repeat_interleave(group),
+                                       self.counters[:rows].repeat_interleave(group) + d, STREAM_SAMPLE, self.vocab_size)
+            if self.draft_ids is not None:
+                noise = noise[:, self.draft_ids]
+            race = logits.float() / torch.where(hot, temperature, 1.0)[:, None] - torch.log(-torch.log(noise))
+            keys = torch.where(hot[:, None], torch.log_softmax(race, dim=-1), keys)
+        best = keys.topk(width, dim=-1)
+        ids = best.indices if self.draft_ids is None else self.draft_ids[best.indices]
+        odds = best.values
+        if simulated is not None:
+            group = logits.shape[0] // rows
+            rate = simulated[:, min(d, simulated.shape[1] - 2)].repeat_interleave(group)
+            odds = torch.log(rate[:, None] * simulated[:, -1].repeat_interleave(group)[:, None]
+                             ** torch.arange(width, device=logits.device))
+        return odds.clamp(min=-1e4), ids
+
+    def _tree_step(self, reqs, d: int, width: int, live: list[bool], widths: list[int], tokens: torch.Tensor,
+                   masks: torch.Tensor, state: torch.Tensor | None):
+        """One draft step of the trees: row i's fed nodes f = 0 .. width - 1 (tokens, masks [b,
+        width]) each as a one-token row of the batch, at draft position d's position, stored
+        in scratch slot `base + (d - 1) * width + f` past the row's root (`next_position`),
+        seeing the context and its ancestors' slots only (masks: bit j = slot base + j). A
+        node that does not grow (its row done, or past its width) stores nowhere."""
+        runner = self.runner
+        feeds, contexts, positions, pages, starts, stores = [], [], [], [], [], []
+        for r, grows, w in zip(reqs, live, widths):
+            base = self.next_position(r, 1, 0)
+            for f in range(width):
+                stored = grows and f < w
+                feeds.append([0])
+                contexts.append(base + (d - 1) * width + f if stored else base)
+                positions.append(self.next_position(r, d, 0))
+                pages.append(r.pages)
+                starts.append(base)
+                stores.append(stored)
+        batch = ForwardBatch.build(feeds, contexts, pages, runner.page_size, runner.device)
+        positions_t, starts_t, stores_t = to_device_parts([positions, starts, stores], torch.int64, runner.device)
+        batch.input_ids.copy_(tokens.reshape(-1))
+        batch.positions.copy_(positions_t)
+        batch.slot_mapping.copy_(torch.where(stores_t > 0, batch.slot_mapping, -1))
+        batch.tree_mask, batch.tree_start = masks.reshape(-1), starts_t.to(torch.int32)
+        return self.forward(batch, state)
+
+    def _best_nodes(self, plan: StepPlan, rows: list[int], ks: list[int], tokens: torch.Tensor, scores: torch.Tensor,
+                    parents: torch.Tensor, absorbing: Span | None) -> Drafts:
+        """Row i's K_i best nodes by cumulative draft log-probability, best first, with their
+        parents as query indices (0: the root). A child never scores above its parent and
+        comes after it among the nodes grown, so the best K of a tree are a tree."""
+        device, b, most = self.runner.device, len(rows), max(ks)
+        best = scores.argsort(dim=1, descending=True, stable=True)[:, :most]
+        rank = torch.full_like(scores, -1, dtype=torch.int64).scatter_(
+            1, best, torch.arange(most, device=device).expand(b, most).contiguous())
+        parent = parents.gather(1, best)
+        parent = torch.where(parent >= 0, rank.gather(1, parent.clamp(min=0)) + 1, 0)
+        tokens = tokens.gather(1, best)
+        for i, r in zip(rows, (plan.requests[i] for i in rows)):
+            r.num_absorbed = self.catch_up_end(r, 0)  # the tree's drafter KV is scratch
+        lens = [0] * len(plan.requests)
+        for i, k in zip(rows, ks):
+            lens[i] = k
+        if b < len(plan.requests):
+            index = to_device(rows, torch.int64, device)
+            tokens = tokens.new_zeros(len(plan.requests), most).index_copy_(0, index, tokens)
+            parent = parent.new_zeros(len(plan.requests), most).index_copy_(0, index, parent)
+        return Drafts(tokens, lens, absorbing, parent)

@@ -9,6 +9,10 @@ token after the accepted ones is the target's draw there. So what a request comm
 exactly what it would sample without speculation: lossless, and a seeded request's
 tokens do not depend on K, the batch or the schedule. A drafter that samples with the same
 noise (`ChainDrafter`) proposes the target's token whenever its distribution agrees.
+
+A tree of drafts is verified the same way: every node's token is the target's draw at the
+node's depth, and the walk from the root follows the child drafted as that token
+(`tree.accept_tree`). What is committed is again the target's draws along one path.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from tidal.layers.sampler import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, greedy_tokens, hash_uniform, \
     processed_probs, sample, sample_from_probs
+from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
 
 
 def verify(
@@ -25,23 +30,29 @@ def verify(
     draft_lens: torch.Tensor,          # [B] int64, K_i in [0, W - 1] (not read at W = 1)
     st: SamplingTensors,               # one row per request
     counters: torch.Tensor,            # [B] int64, output index of the token after the last committed one
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decide which drafts to commit. Returns token_ids [B, W] int64 and accept_lens [B]
-    int64: commit token_ids[i, :accept_lens[i]], 1 <= accept_lens[i] <= 1 + K_i (entries
-    past accept_lens are unspecified). target_logits[i, j] is the target's distribution
+    parents: torch.Tensor | None = None,  # [B, W - 1] int64: trees (`tree`); None: chains
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Decide which drafts to commit. Returns token_ids [B, W] int64, accept_lens [B]
+    int64 and, for trees, the accepted path (`tree.accept_tree`; None for chains): commit
+    token_ids[i, :accept_lens[i]], 1 <= accept_lens[i] <= 1 + K_i (entries past
+    accept_lens are unspecified). target_logits[i, j] is the target's distribution
     after input j (input 0 = the last committed token, input j = draft j); position j's draw
     uses output index counters[i] + j, so with K_i = 0 this is `sample`'s draw.
 
     With `st.simulated` (benchmarks only), draft j of row i is accepted with probability
     st.simulated[i, j], whatever its value, and the drafts themselves are committed; the
-    output is then not the target's.
+    output is then not the target's. For trees, a node's r-th best child is taken with
+    probability st.simulated[i, depth] * sibling^r, the sibling factor in its last column
+    (`tree.simulated_choice`).
     """
     B, W, V = target_logits.shape
     K = W - 1
     if K == 0:  # plain sampling
         return sample(target_logits[:, 0], st, counters)[:, None], torch.ones(B, dtype=torch.int64,
-                                                                              device=target_logits.device)
+                                                                              device=target_logits.device), None
     positions = torch.arange(W, device=target_logits.device)
+    if parents is not None:  # a node's draw is at its depth's output index
+        positions = tree_shape(parents)[0]
     if st.all_greedy:
         targets = greedy_tokens(target_logits)  # [B, W]
     else:
@@ -49,6 +60,12 @@ def verify(
         p = processed_probs(target_logits.reshape(B * W, V), every)
         targets = sample_from_probs(p, every.seeds, (counters.unsqueeze(1) + positions).reshape(-1),
                                     STREAM_SAMPLE).view(B, W)
+    if parents is not None:
+        chosen = None
+        if st.simulated is not None:  # its last column is the sibling factor
+            u = hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + positions, STREAM_ACCEPT)
+            chosen = simulated_choice(parents, draft_lens, positions, st.simulated[:, :-1], st.simulated[:, -1:], u)
+        return accept_tree(targets, draft_tokens, parents, draft_lens, chosen)
     u = None
     if st.simulated is not None:
         u = hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT) \
@@ -56,11 +73,11 @@ def verify(
     if target_logits.is_cuda:
         from tidal.layers import fused  # the rest in one kernel
 
-        return fused.accept_matching(targets, draft_tokens, draft_lens, u)
+        return *fused.accept_matching(targets, draft_tokens, draft_lens, u), None
     accept = u < 1 if u is not None else draft_tokens == targets[:, :K]
     accept = accept & (positions[:K] < draft_lens.unsqueeze(1))
     num_accepted = accept.long().cumprod(1).sum(1)  # [B]
     next_token = targets.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
     padded = torch.cat([draft_tokens, draft_tokens.new_zeros(B, 1)], dim=1)
     token_ids = padded.scatter(1, num_accepted.unsqueeze(1), next_token.unsqueeze(1))
-    return token_ids, num_accepted + 1
+    return token_ids, num_accepted + 1, None

@@ -1,0 +1,177 @@
+"""Trees of drafts (topk > 1): greedy outputs identical to plain decoding for every drafter
+and policy, sampled outputs distributed as the target's, the accepted nodes' KV at the
+sequence's positions, and every KV page free afterwards."""
+
+import pytest
+import torch
+
+import tidal.runner
+from stats import homogeneity_pvalue
+from test_spec import (ALPHA, NEW_TOKENS, RandomPolicy, continuation_counts, greedy, models, plain,  # noqa: F401
+                       repetitive_prompts, run)
+from tidal import LLM, SamplingParams
+from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
+from tidal.speculative.verify import verify as real_verify
+
+
+def tree_config(models, method, depth=3, topk=2, nodes=6, **extra):
+    return {"method": method, "model": models[method], "num_speculative_tokens": depth, "topk": topk,
+            "num_draft_tokens": nodes, "policy": "fixed", **extra}
+
+
+def test_tree_shape_and_walk():
+    #        0 (root)
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    parents = torch.tensor([[0, 0, 1, 1, 2]])
+    depth, ancestors = tree_shape(parents)
+    assert depth.tolist() == [[0, 1, 1, 2, 2, 2]]
+    assert ancestors.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]]
+    drafts = torch.tensor([[10, 11, 20, 21, 30]])
+    # The target's token at each query index: at the root 11 (node 2), at node 2 30 (node 5), at node 5 99.
+    targets = torch.tensor([[11, 0, 30, 0, 0, 99]])
+    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([5]))
+    assert lens.tolist() == [3] and path[0, :3].tolist() == [0, 2, 5] and tokens[0, :3].tolist() == [11, 30, 99]
+    # Only the first 4 nodes are valid: node 5 is not there, so the walk stops at node 2.
+    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([4]))
+    assert lens.tolist() == [2] and tokens[0, :2].tolist() == [11, 30]
+    # A chain is a tree: node r + 1 hangs from node r.
+    chain = torch.tensor([[0, 1, 2]])
+    tokens, lens, _ = accept_tree(torch.tensor([[5, 6, 8, 9]]), torch.tensor([[5, 6, 7]]), chain, torch.tensor([3]))
+    assert lens.tolist() == [3] and tokens[0, :3].tolist() == [5, 6, 8]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("shape", [(3, 2, 6), (2, 3, 4), (4, 2, 12)])
+def test_greedy_lossless_with_trees(models, plain, method, shape):
+    depth, topk, nodes = shape
+    llm = LLM(model=models["target"], page_size=4,
+              speculative_config=tree_config(models, method, depth, topk, nodes))
+    got, _ = run(llm, repetitive_prompts(), greedy())
+    assert got == plain, f"{method} tree {shape} changed the greedy output"
+    spec = llm.engine.stats()["spec"]
+    assert spec["num_drafted"] > 0
+    if method == "draft_model":
+        assert 0 < spec["num_accepted"] < spec["num_drafted"], "want both acceptance and rejection"
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_greedy_lossless_with_a_tree_size_per_request_and_goodput(models, plain, method):
+    llm = LLM(model=models["target"], page_size=4, speculative_config=tree_config(models, method, 3, 2, 6))
+    llm.engine.core.scheduler.policy = RandomPolicy(seed=4)
+    assert run(llm, repetitive_prompts(), greedy())[0] == plain
+    llm = LLM(model=models["target"], page_size=4, max_num_batched_tokens=24,
+              speculative_config=tree_config(models, method, 3, 2, 6, policy="goodput", cost_model="online"))
+    assert run(llm, repetitive_prompts(), greedy())[0] == plain
+
+
+def test_trees_beat_chains_on_accepted_length(models):
+    """A wider tree gives the target more chances: with the same drafter, a request accepts
+    more tokens per step from a tree of 12 nodes than from a chain of 4."""
+    lengths = {}
+    for name, cfg in {"chain": {"num_speculative_tokens": 4},
+                      "tree": {"num_speculative_tokens": 4, "topk": 3, "num_draft_tokens": 12}}.items():
+        llm = LLM(model=models["target"], page_size=4, speculative_config={
+            "method": "draft_model", "model": models["draft_model"], "policy": "fixed", **cfg})
+        run(llm, repetitive_prompts(), greedy())
+        lengths[name] = llm.engine.stats()["spec"]["mean_accepted_length"]
+    assert lengths["tree"] > lengths["chain"], lengths
+
+
+def test_seeded_sampling_with_trees_gives_the_plain_tokens(models):
+    """Every committed token is the target's own seeded draw, so a seeded request's tokens
+    are those of plain decoding, whatever trees were drafted."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
+    want = run(LLM(model=models["target"], page_size=4), repetitive_prompts(), params)[0]
+    for method in ("draft_model", "eagle3"):
+        llm = LLM(model=models["target"], page_size=4, speculative_config=tree_config(models, method, 3, 3, 8))
+        llm.engine.core.scheduler.policy = RandomPolicy(seed=9)
+        assert run(llm, repetitive_prompts(), params)[0] == want, method
+
+
+def test_a_drafter_equal_to_the_target_has_its_first_child_accepted(models):
+    """A sampled row's first child is the drafter's draw in the race the target's own draw
+    runs there: with the target as its drafter and a tree of the root's two best children,
+    the first is accepted and the second rejected at every step, for sampled and greedy
+    rows sharing a step."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
+    llm = LLM(model=models["target"], page_size=4, speculative_config={
+        "method": "draft_model", "model": models["target"], "num_speculative_tokens": 1, "topk": 2,
+        "num_draft_tokens": 2, "policy": "fixed"})
+    run(llm, repetitive_prompts(), params)
+    spec = llm.engine.stats()["spec"]
+    assert spec["num_drafted"] > 0 and spec["num_accepted"] == spec["num_steps"], spec
+
+
+def test_sampling_with_trees_is_lossless_and_the_test_detects_a_wrong_verifier(models, monkeypatch):
+    target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256))
+    spec = LLM(model=models["target"], page_size=4, max_num_seqs=256,
+               speculative_config=tree_config(models, "draft_model", 2, 3, 6))
+    assert homogeneity_pvalue(target, continuation_counts(spec)) > ALPHA
+    assert spec.engine.stats()["spec"]["num_drafted"] > 0
+
+    # Control: a walk that takes each node's first child whatever the target drew commits
+    # the drafter's tokens.
+    monkeypatch.setattr(tidal.runner, "verify", _accept_first_children)
+    assert homogeneity_pvalue(target, continuation_counts(spec)) < ALPHA
+
+
+def _accept_first_children(logits, tokens, ks, st, counters, parents=None):
+    """A wrong verifier: the targets are replaced by each node's first child, so the walk
+    commits the drafts of the first branch."""
+    b, w, _ = logits.shape
+    targets, lens, path = real_verify(logits, tokens, ks, st, counters, parents)
+    if parents is None:  # (a plain step)
+        return targets, lens, path
+    first = torch.zeros(b, w, dtype=torch.int64)
+    for i in range(b):
+        for q in range(w):
+            kids = [c for c in range(1, int(ks[i]) + 1) if int(parents[i, c - 1]) == q]
+            first[i, q] = tokens[i, kids[0] - 1] if kids else targets[i, q]
+    return accept_tree(first, tokens, parents, ks)
+
+
+def test_bad_tree_configs(models):
+    target = models["target"]
+    base = {"method": "draft_model", "model": models["draft_model"], "num_speculative_tokens": 3}
+    for extra, field in [({"topk": 0}, "topk"), ({"topk": 2, "num_draft_tokens": 64}, "num_draft_tokens"),
+                         ({"num_draft_tokens": 5}, "num_draft_tokens"),
+                         ({"topk": 4, "num_draft_tokens": 3}, "topk"),
+                         ({"topk": 2, "num_draft_tokens": 11}, "num_draft_tokens"),
+                         ({"topk": 2, "num_draft_tokens": 4, "simulate_acceptance": {"mean": 0.9, "sibling": 0.5}},
+                          "simulate_acceptance")]:
+        with pytest.raises(ValueError, match=f"speculative_config.{field}"):
+            LLM(model=target, speculative_config={**base, **extra})
+    with pytest.raises(ValueError, match="speculative_config.topk"):
+        LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "topk": 2,
+                                              "num_draft_tokens": 4})
+
+
+def test_simulated_tree_acceptance_takes_children_by_rank():
+    """Benchmarks' rule: at a node of depth m its r-th best child is the target's token with
+    probability rate[m] * sibling^r. Over a grid of uniforms the root's three children are
+    taken in those shares, and none is taken in the rest."""
+    n = 10000
+    parents = torch.tensor([[0, 0, 0, 1]]).expand(n, 4)
+    depth = tree_shape(parents)[0]
+    u = ((torch.arange(n) + 0.5) / n)[:, None].expand(n, 5)
+    chosen = simulated_choice(parents, torch.full((n,), 4), depth, torch.tensor([[0.3, 0.5]]).expand(n, 2),
+                              torch.full((n, 1), 0.9), u)
+    at_root = chosen[:, 0].float().mean(0)  # [nodes]: how often each node is taken at the root
+    assert torch.allclose(at_root, torch.tensor([0.3, 0.27, 0.243, 0.0]), atol=1e-3)
+    assert chosen[:, 1, 3].float().mean() == pytest.approx(0.5, abs=1e-3)  # node 1's only child, at depth 1's rate
+
+
+def test_simulated_acceptance_with_trees(models):
+    """Every best child taken (rate 1, sibling 0): each step accepts a whole path down the
+    tree's depth; rate 0 accepts nothing."""
+    for rate, check in ((1.0, lambda s: s["mean_accepted_length"] > 3.5), (0.0, lambda s: s["num_accepted"] == 0)):
+        llm = LLM(model=models["target"], page_size=4, speculative_config=tree_config(
+            models, "draft_model", 3, 2, 6, simulate_acceptance={"mean": rate, "sibling": 0.0}))
+        run(llm, repetitive_prompts(), greedy(40))
+        spec = llm.engine.stats()["spec"]
+        assert spec["num_drafted"] > 0 and check(spec), spec
