@@ -30,6 +30,14 @@ def test_gpu_fastpath_smoke(tmp_path):
     assert 0 < speed["scheduler_overhead"]["fraction"] < 1
 
 
+def test_trees_gpu_smoke(tmp_path):
+    run_smoke("trees_gpu.py", tmp_path)
+    results = json.loads((tmp_path / "trees_gpu.json").read_text())
+    assert not results.get("errors") and not results["skipped"], results.get("errors")
+    assert results["correctness"] and all(results["correctness"].values()), results["correctness"]
+    assert results["b1"]["tree 4x5, 16 nodes, sibling 0.3"]["mean_accepted_length"] > 1
+
+
 def test_policy_sweep_smoke(tmp_path):
     run_smoke("policy_sweep.py", tmp_path)
     results = json.loads((tmp_path / "policy_sweep.json").read_text())

@@ -129,6 +129,12 @@ class SimulatedAcceptance:
         drawn = random.Random(seed).betavariate(first * strength, (1 - first) * strength)
         return [min(1.0, a * drawn / first) for a in mean]
 
+    def check_tree(self, topk: int, field: str) -> None:
+        """A node's `topk` children must be the target's token with a total chance of at most 1."""
+        if max(self.mean) * sum(self.sibling ** r for r in range(topk)) > 1:
+            raise ValueError(f"{field}: a node's {topk} children would be the target's token with a total chance "
+                             f"above 1 (rate {max(self.mean):g}, sibling {self.sibling:g})")
+
     def describe(self) -> str:
         rates = "/".join(f"{a:g}" for a in self.mean)
         return (rates + (f" (per request: Beta, std {self.std:g})" if self.std else "")
@@ -203,11 +209,8 @@ class SpecConfig:
             if n > topk + (k - 1) * topk * topk:
                 raise ValueError(f"speculative_config.num_draft_tokens ({n}) exceeds the {topk + (k - 1) * topk * topk} "
                                  f"nodes a tree of topk {topk}, num_speculative_tokens {k} deep grows")
-            sim = self.simulate_acceptance
-            if sim is not None and max(sim.mean) * sum(sim.sibling ** r for r in range(topk)) > 1:
-                raise ValueError(f"speculative_config.simulate_acceptance: a node's {topk} children would be the "
-                                 f"target's token with a total chance above 1 (rate {max(sim.mean):g}, sibling "
-                                 f"{sim.sibling:g})")
+            if self.simulate_acceptance is not None:
+                self.simulate_acceptance.check_tree(topk, "speculative_config.simulate_acceptance")
 
     @property
     def max_draft_len(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple, Sequence
 
 from tidal.config import SamplingParams, SimulatedAcceptance, SpecConfig
@@ -77,7 +77,11 @@ class InputProcessor:
             if simulated is None:
                 raise ValueError("simulate_acceptance: this engine does not simulate acceptance (benchmarks start it "
                                  "with speculative_config.simulate_acceptance)")
-            simulated = SimulatedAcceptance.parse(simulate_acceptance, "simulate_acceptance")
+            given = SimulatedAcceptance.parse(simulate_acceptance, "simulate_acceptance")
+            # (a request that names no sibling factor keeps the server's)
+            named = isinstance(simulate_acceptance, dict) and "sibling" in simulate_acceptance
+            simulated = given if named else replace(given, sibling=simulated.sibling)
+            simulated.check_tree(self.spec.topk, "simulate_acceptance")
         seed = params.seed if params.seed is not None else self.seeds.getrandbits(63)
         req = Request(request_id, text, ids, params, seed, self.tokenizer.eos_token_ids, stream)
         if simulated is not None:
