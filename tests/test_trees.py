@@ -67,6 +67,29 @@ def test_greedy_lossless_with_a_tree_size_per_request_and_goodput(models, plain,
     assert run(llm, repetitive_prompts(), greedy())[0] == plain
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_trees_drafted_ahead_of_a_step_in_flight_change_no_output(models, plain, method):
+    """With async scheduling a tree is drafted and verified behind the step before, as if
+    that step's every node on its deepest path were accepted, and moved back on the device:
+    greedy and seeded outputs are the plain ones."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
+    seeded = run(LLM(model=models["target"], page_size=4), repetitive_prompts(), params)[0]
+    llm = LLM(model=models["target"], page_size=4, async_scheduling=True,
+              speculative_config=tree_config(models, method, 3, 3, 8))
+    launch, behind_trees = llm.engine.core.runner.launch, []
+
+    def recording(plan, drafts=None, ahead=None):
+        behind_trees.append(ahead is not None and ahead.rejected is not None and drafts is not None)
+        return launch(plan, drafts, ahead)
+
+    llm.engine.core.runner.launch = recording
+    llm.engine.core.scheduler.policy = RandomPolicy(seed=4)
+    assert run(llm, repetitive_prompts(), greedy())[0] == plain
+    assert run(llm, repetitive_prompts(), params)[0] == seeded
+    assert any(behind_trees), "want trees drafted behind a step with drafts"
+
+
 def test_trees_beat_chains_on_accepted_length(models):
     """A wider tree gives the target more chances: with the same drafter, a request accepts
     more tokens per step from a tree of 12 nodes than from a chain of 4."""

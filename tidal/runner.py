@@ -67,23 +67,29 @@ class StepInputs:
 
 @dataclass
 class TreeInputs:
-    """A step's trees of drafts, on the device (`ModelRunner._tree_inputs`)."""
+    """A step's trees of drafts, on the device (`ModelRunner._tree_inputs`), built as if a
+    step in flight committed all it can; `apply` moves them back with its rows."""
 
     shift: torch.Tensor   # [T] int64: how far each token's position lies before its index (a node's: index - depth)
     mask: torch.Tensor    # [T] int64: `ForwardBatch.tree_mask`
     starts: torch.Tensor  # [B] int32: `ForwardBatch.tree_start`, each row's root
-    slots: torch.Tensor   # [B, W] int64: each row's root and node slots (past its nodes, its root's)
+    keys: torch.Tensor    # [B, W] int64: key indices of each row's root and nodes (past its nodes, its root's)
+    slots: torch.Tensor | None = None  # [B, W] int64: their slots, once `apply` has seen the step's batch
 
-    def apply(self, batch: ForwardBatch) -> None:
+    def apply(self, batch: ForwardBatch, rejected: torch.Tensor | None, page_size: int) -> None:
         """Set a batch's tree inputs: one built for the step, or a graph's (whose rows and
-        tokens past the step's have no tree)."""
+        tokens past the step's have no tree); rows move back by `rejected` (a step in flight's)."""
         n, b = len(self.shift), len(self.starts)
+        starts, keys = self.starts, self.keys
+        if rejected is not None:
+            starts, keys = starts - rejected.to(starts.dtype), keys - rejected[:, None]
         batch.positions[:n].sub_(self.shift)
         if batch.tree_mask is None:
-            batch.tree_mask, batch.tree_start = self.mask, self.starts
+            batch.tree_mask, batch.tree_start = self.mask, starts
         else:
             batch.tree_mask[:n].copy_(self.mask)
-            batch.tree_start[:b].copy_(self.starts)
+            batch.tree_start[:b].copy_(starts)
+        self.slots = batch.page_table[:b].gather(1, keys // page_size).long() * page_size + keys % page_size
 
 
 class ModelRunner:
@@ -270,17 +276,17 @@ class ModelRunner:
         ranks' calls return None."""
         num_tokens = sum(len(f) for f in inputs.feeds)
         bucket = self.pieces.bucket(num_tokens) if self.pieces is not None and tree is None else None
-        adjust = None
-        if rejected is not None:
-            adjust = lambda batch: batch.move_back(rejected, self.page_size)  # noqa: E731
-        elif tree is not None:
-            adjust = tree.apply
+        def adjust(batch: ForwardBatch) -> None:
+            if rejected is not None:
+                batch.move_back(rejected, self.page_size)
+            if tree is not None:
+                tree.apply(batch, rejected, self.page_size)
         out, slot_mapping = forward_rows(
             self.graphs if inputs.decode_only else None,
             lambda batch, _: self.model(batch.input_ids, batch, self.kv_caches) if bucket is None
             else self.pieces.run(batch, num_tokens),
             inputs.feeds, inputs.contexts, inputs.pages, self.page_size, self.device, input_ids=input_ids,
-            pad_tokens=bucket or 0, adjust=adjust)
+            pad_tokens=bucket or 0, adjust=adjust if rejected is not None or tree is not None else None)
         hidden = out
         if self.aux_cache is not None:
             hidden, aux = out
@@ -350,29 +356,28 @@ class ModelRunner:
 
     def _tree_inputs(self, plan: StepPlan, feeds: list[list[int]], contexts: list[int], drafts: Drafts) -> TreeInputs:
         """A step's trees as its forward takes them: each node at its root's position plus its
-        depth, seeing only its ancestors (`ForwardBatch.tree_mask`); and the slots of every
-        row's root and nodes, where the accepted path's KV is moved (`_keep_accepted`)."""
+        depth, seeing only its ancestors (`ForwardBatch.tree_mask`); and the key indices of
+        every row's root and nodes, where the accepted path's KV is moved (`_keep_accepted`)."""
         depth, ancestors = tree_shape(drafts.parents)
         width = depth.shape[1]
-        ps, at, source, offset, starts, slots = self.page_size, [], [], [], [], []
+        at, source, offset, starts, keys = [], [], [], [], []
         end = 0
-        for i, (feed, ctx, k, req) in enumerate(zip(feeds, contexts, plan.draft_lens, plan.requests)):
+        for i, (feed, ctx, k) in enumerate(zip(feeds, contexts, plan.draft_lens)):
             root = ctx + len(feed) - 1 - k  # the root's key index: the row's own last token
             starts.append(root if k else ctx + len(feed))
             root_at = end + len(feed) - 1 - k
             at += range(root_at, root_at + 1 + k)
             source += range(i * width, i * width + 1 + k)
             offset += range(1 + k)
-            slots.append([req.pages[p // ps] * ps + p % ps for p in range(root, root + 1 + k)] + [0] * (width - 1 - k))
+            keys += list(range(root, root + 1 + k)) + [root] * (width - 1 - k)
             end += len(feed)
-        at_t, source_t, offset_t, starts_t = to_device_parts([at, source, offset, starts], torch.int64, self.device)
-        slots_t = to_device([s for row in slots for s in row], torch.int64, self.device).view(len(feeds), width)
-        slots_t = torch.where(slots_t > 0, slots_t, slots_t[:, :1])  # past a row's nodes: its root
+        at_t, source_t, offset_t, starts_t, keys_t = to_device_parts([at, source, offset, starts, keys], torch.int64,
+                                                                     self.device)
         mask = torch.full((end,), -1, dtype=torch.int64, device=self.device)
         mask[at_t] = ancestors.view(-1)[source_t]
         shift = torch.zeros(end, dtype=torch.int64, device=self.device)
         shift[at_t] = offset_t - depth.view(-1)[source_t]
-        return TreeInputs(shift, mask, starts_t.to(torch.int32), slots_t)
+        return TreeInputs(shift, mask, starts_t.to(torch.int32), keys_t.view(len(feeds), width))
 
     def _keep_accepted(self, step: PendingStep, slots: torch.Tensor) -> None:
         """Move the KV (and hidden states) of each row's accepted nodes from their slots to the

@@ -60,13 +60,13 @@ class ChainDrafter(ABC):
     the row really is (`ForwardBatch.move_back`). Drafter KV written for tokens not
     committed lies past `num_absorbed` (the commit trims it), so it is never trusted."""
 
+    drafts_ahead = True
+
     def __init__(self, runner, vocab_size: int, topk: int = 1, depth: int = 0):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
         self.vocab_size = vocab_size  # the target's vocabulary
         # Trees (topk > 1, `_propose_tree`): tokens per expanded node, and draft steps deep.
-        # They are drafted after the step before is committed (no tree is planned ahead).
         self.topk, self.depth = topk, depth
-        self.drafts_ahead = topk == 1
         self.absorb_tokens = runner.config.max_num_batched_tokens  # most tokens a forward absorbs (`_absorb`)
         max_seqs, k = runner.config.max_num_seqs, runner.max_draft_len
         # Per row, the position the draft steps stop before (`ForwardBatch.advance`); and per
@@ -193,14 +193,14 @@ class ChainDrafter(ABC):
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, rows: list[int], ahead: Ahead | None = None) -> Drafts:
-        if self.topk > 1:
-            return self._propose_tree(plan, rows)
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
         pending = [ahead.commits[i] for i in rows] if ahead else [0] * len(rows)
         device, num_rows = self.runner.device, len(reqs)
         st = self.runner.sampling_tensors(reqs)
         sampled = not st.all_greedy
+        if self.topk > 1:
+            return self._propose_tree(plan, rows, st, pending, ahead)
         # Per row, the position the draft steps stop before (for `_draft_steps`). Every entry
         # of `self.limits` is written: a graph's padding rows must find limit 0, or they would
         # move and store through page-table rows left from other steps.
@@ -227,7 +227,7 @@ class ChainDrafter(ABC):
         if ahead:
             source = ahead.tokens if num_rows == len(plan.requests) else ahead.tokens[rows_t]
             input_ids = with_device_tails(feeds, pending, source)
-        state = self._run(feeds, starts, pages, state, input_ids, rejected, sampled)
+        _, state = self._run(feeds, starts, pages, state, input_ids, rejected, sampled)
         if limits:
             self.limits.copy_(limits_t)
             if rejected is not None:
@@ -275,18 +275,18 @@ class ChainDrafter(ABC):
                 starts[i] = e
         return starts, span.stop()
 
-    def _run(self, feeds, starts, pages, state, input_ids, rejected, sampled: bool) -> torch.Tensor | None:
+    def _run(self, feeds, starts, pages, state, input_ids, rejected, sampled: bool):
         """One catch-up forward (`_catch_up`), replayed from a graph when one fits; returns
-        its output state. `input_ids` (on the device) replace the fed tokens; `rejected[i]`
+        its logits at each row's last real token and its output state. `input_ids` (on the device) replace the fed tokens; `rejected[i]`
         tokens at the end of row i are not real, so its draft comes from before them."""
         def before_rejected(batch: ForwardBatch) -> None:
             batch.last_index[:len(feeds)].sub_(rejected.to(torch.int32))
 
-        (_, state), _ = forward_rows(self.catch_up_graphs.get(sampled),
-                                     lambda batch, state: self._catch_up(batch, state, sampled),
-                                     feeds, starts, pages, self.runner.page_size, self.runner.device, state,
-                                     input_ids, adjust=None if rejected is None else before_rejected)
-        return state
+        (logits, state), _ = forward_rows(self.catch_up_graphs.get(sampled),
+                                          lambda batch, state: self._catch_up(batch, state, sampled),
+                                          feeds, starts, pages, self.runner.page_size, self.runner.device, state,
+                                          input_ids, adjust=None if rejected is None else before_rejected)
+        return logits, state
 
     def _draft(self, reqs, pending, max_limit, pages, state, rejected, steps: int, sampled: bool) -> None:
         """The `steps` one-token steps after the catch-up (`_draft_steps`). Their inputs are
@@ -323,7 +323,7 @@ class ChainDrafter(ABC):
 
     # -- trees -----------------------------------------------------------------------------
 
-    def _propose_tree(self, plan: StepPlan, rows: list[int]) -> Drafts:
+    def _propose_tree(self, plan: StepPlan, rows: list[int], st, pending: list[int], ahead: Ahead | None) -> Drafts:
         """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them:
         each draft step feeds the `topk` best nodes of the depth before (by their cumulative
         draft log-probability) and gives each its `topk` likeliest tokens; the K_i best of all
@@ -331,25 +331,36 @@ class ChainDrafter(ABC):
         that the nodes it feeds fit in its K_i reserved slots: the drafter keeps their KV
         there, past the row's root, for the step (the target's KV for the tree goes to the
         same slots, in its own tensors). A sampled row ranks each node's tokens by the race
-        its target draw runs (`_children`), so that its first child is the one `_pick` draws."""
+        its target draw runs (`_children`), so that its first child is the one `_pick` draws.
+        Planned ahead of a step in flight, the catch-up and the draft steps are moved back on
+        the device as a chain's are (`pending`, `Ahead`)."""
         runner = self.runner
-        device, ps = runner.device, runner.page_size
+        device = runner.device
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
-        st = runner.sampling_tensors(reqs)
         sampled = not st.all_greedy
+        rejected = None
+        if ahead and ahead.rejected is not None:
+            rejected = ahead.rejected if len(rows) == len(plan.requests) else \
+                ahead.rejected[to_device(rows, torch.int64, device)]
         if sampled:
-            counters = to_device_parts([[r.num_output_tokens for r in reqs]], torch.int64, device)[0]
+            counters = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)]], torch.int64,
+                                       device)[0]
             self.temperature[:len(reqs)].copy_(st.temperature)
             self.seeds[:len(reqs)].copy_(st.seeds)
-            self.counters[:len(reqs)].copy_(counters)
+            self.counters[:len(reqs)].copy_(counters if rejected is None else counters - rejected)
         starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
-        ends = [self.catch_up_end(r, 0) for r in reqs]
+        ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
         starts, absorbing = self._absorb(reqs, starts, ends)
         feeds, state = self.catch_up(reqs, starts, ends)
-        (logits, state), _ = forward_rows(self.catch_up_graphs.get(sampled),
-                                          lambda batch, state: self._catch_up(batch, state, sampled),
-                                          feeds, starts, [r.pages for r in reqs], ps, device, state)
+        input_ids = None
+        if ahead:
+            source = ahead.tokens if len(rows) == len(plan.requests) else \
+                ahead.tokens[to_device(rows, torch.int64, device)]
+            input_ids = with_device_tails(feeds, pending, source)
+        logits, state = self._run(feeds, starts, [r.pages for r in reqs], state, input_ids, rejected, sampled)
+        for r, n in zip(reqs, pending):
+            r.num_absorbed = self.catch_up_end(r, n)  # the tree's drafter KV is scratch
         widths = [min(self.topk, k) for k in ks]
         depths = [min(self.depth, 1 + k // w) for k, w in zip(ks, widths)]
         width, b = max(widths), len(reqs)
@@ -366,7 +377,8 @@ class ChainDrafter(ABC):
         grown = width
         for d in range(1, max(depths)):
             live = [d < depth for depth in depths]
-            logits, out = self._tree_step(reqs, d, width, live, widths, front_token, front_mask, front_state)
+            logits, out = self._tree_step(reqs, pending, rejected, d, width, live, widths, front_token, front_mask,
+                                          front_state)
             score, token = self._children(logits, b, d, width, sampled, st.simulated)  # [b * width, width]
             score = (torch.cat(scores, 1).gather(1, front).reshape(-1, 1) + score).view(b, width * width)
             score = score.masked_fill(~to_device(live, torch.bool, device)[:, None], float("-inf"))
@@ -418,27 +430,36 @@ class ChainDrafter(ABC):
                              ** torch.arange(width, device=logits.device))
         return odds.clamp(min=-1e4), ids
 
-    def _tree_step(self, reqs, d: int, width: int, live: list[bool], widths: list[int], tokens: torch.Tensor,
-                   masks: torch.Tensor, state: torch.Tensor | None):
+    def _tree_step(self, reqs, pending: list[int], rejected: torch.Tensor | None, d: int, width: int,
+                   live: list[bool], widths: list[int], tokens: torch.Tensor, masks: torch.Tensor,
+                   state: torch.Tensor | None):
         """One draft step of the trees: row i's fed nodes f = 0 .. width - 1 (tokens, masks [b,
         width]) each as a one-token row of the batch, at draft position d's position, stored
         in scratch slot `base + (d - 1) * width + f` past the row's root (`next_position`),
         seeing the context and its ancestors' slots only (masks: bit j = slot base + j). A
-        node that does not grow (its row done, or past its width) stores nowhere."""
+        node that does not grow (its row done, or past its width) stores nowhere. Rows are
+        moved back by the drafts a step in flight `rejected`."""
         runner = self.runner
-        feeds, contexts, positions, pages, starts, stores = [], [], [], [], [], []
-        for r, grows, w in zip(reqs, live, widths):
-            base = self.next_position(r, 1, 0)
+        ps, device = runner.page_size, runner.device
+        index, positions, pages, starts, stores = [], [], [], [], []
+        for r, n, grows, w in zip(reqs, pending, live, widths):
+            base = self.next_position(r, 1, n)
             for f in range(width):
                 stored = grows and f < w
-                feeds.append([0])
-                contexts.append(base + (d - 1) * width + f if stored else base)
-                positions.append(self.next_position(r, d, 0))
+                index.append(base + (d - 1) * width + f if stored else base)
+                positions.append(self.next_position(r, d, n))
                 pages.append(r.pages)
                 starts.append(base)
                 stores.append(stored)
-        batch = ForwardBatch.build(feeds, contexts, pages, runner.page_size, runner.device)
-        positions_t, starts_t, stores_t = to_device_parts([positions, starts, stores], torch.int64, runner.device)
+        batch = ForwardBatch.build([[0]] * len(index), index, pages, ps, device)
+        index_t, positions_t, starts_t, stores_t = to_device_parts([index, positions, starts, stores], torch.int64,
+                                                                   device)
+        if rejected is not None:
+            back = rejected.repeat_interleave(width)
+            index_t, positions_t, starts_t = index_t - back, positions_t - back, starts_t - back
+            batch.seq_lens.copy_(index_t + 1)
+            page = batch.page_table.gather(1, (index_t // ps)[:, None])[:, 0]
+            batch.slot_mapping.copy_(page * ps + index_t % ps)
         batch.input_ids.copy_(tokens.reshape(-1))
         batch.positions.copy_(positions_t)
         batch.slot_mapping.copy_(torch.where(stores_t > 0, batch.slot_mapping, -1))
@@ -457,8 +478,6 @@ class ChainDrafter(ABC):
         parent = parents.gather(1, best)
         parent = torch.where(parent >= 0, rank.gather(1, parent.clamp(min=0)) + 1, 0)
         tokens = tokens.gather(1, best)
-        for i, r in zip(rows, (plan.requests[i] for i in rows)):
-            r.num_absorbed = self.catch_up_end(r, 0)  # the tree's drafter KV is scratch
         lens = [0] * len(plan.requests)
         for i, k in zip(rows, ks):
             lens[i] = k
