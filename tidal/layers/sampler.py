@@ -72,13 +72,15 @@ def hash_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> to
     return _to_unit(_row_keys(seeds, counters, stream))
 
 
-def hash_uniform_vocab(seeds: torch.Tensor, counters: torch.Tensor, stream: int, vocab_size: int) -> torch.Tensor:
-    """Uniforms [..., vocab_size] in (0, 1): one per (row, vocabulary index)."""
-    return _vocab_uniform(_row_keys(seeds, counters, stream), vocab_size)
+def hash_uniform_vocab(seeds: torch.Tensor, counters: torch.Tensor, stream: int, vocab_size: int,
+                       ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Uniforms [..., vocab_size] in (0, 1): one per (row, vocabulary index); with `ids`,
+    only at those vocabulary indices ([..., len(ids)])."""
+    return _vocab_uniform(_row_keys(seeds, counters, stream), vocab_size, ids)
 
 
-def _vocab_uniform(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    cols = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64))
+def _vocab_uniform(keys: torch.Tensor, vocab_size: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    cols = _mix32(torch.arange(vocab_size, device=keys.device, dtype=torch.int64) if ids is None else ids)
     return _to_unit(_mix32(keys.unsqueeze(-1) ^ cols))
 
 

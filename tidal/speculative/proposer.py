@@ -415,9 +415,8 @@ class ChainDrafter(ABC):
             temperature = self.temperature[:rows].repeat_interleave(group)
             hot = temperature > 0
             noise = hash_uniform_vocab(self.seeds[:rows].repeat_interleave(group),
-                                       self.counters[:rows].repeat_interleave(group) + d, STREAM_SAMPLE, self.vocab_size)
-            if self.draft_ids is not None:
-                noise = noise[:, self.draft_ids]
+                                       self.counters[:rows].repeat_interleave(group) + d, STREAM_SAMPLE,
+                                       self.vocab_size, self.draft_ids)
             race = logits.float() / torch.where(hot, temperature, 1.0)[:, None] - torch.log(-torch.log(noise))
             keys = torch.where(hot[:, None], torch.log_softmax(race, dim=-1), keys)
         best = keys.topk(width, dim=-1)
