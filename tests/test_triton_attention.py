@@ -260,3 +260,64 @@ def test_qk_norm_is_fused_as_the_modules_apply_it(dtype, bf16_rounds_to_nearest)
     torch_ref = pytest.importorskip("tidal.attention.torch_ref")
     want = torch_ref.TorchAttention().forward(q, k, v, cache.clone(), batch, 0.125, rope, qk_norm=(q_norm, k_norm))
     torch.testing.assert_close(out, want, **tol(dtype))
+
+
+def tree_masks(parents, start_bit=0):
+    """Ancestor masks (bit j: query j, shifted by start_bit) of a root and nodes hanging
+    from `parents` (query indices, each below its node's)."""
+    masks = [1 << start_bit]
+    for r, p in enumerate(parents):
+        masks.append(masks[p] | (1 << (start_bit + r + 1)))
+    return masks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,page_size", [((4, 2, 64), 16), ((6, 2, 64), 32), ((4, 1, 128), 16)])
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_tree_masks_match_the_reference(heads, page_size, dtype, num_splits):
+    """A batch of a tree (root + 9 nodes), a decode, a prefill of 70 tokens and a drafter's
+    row of frontier nodes whose ancestors lie before its query tokens (tree_start 30 of a
+    context of 41): Triton equals the torch reference, which applies the same masks."""
+    from tidal.attention.torch_ref import TorchAttention
+
+    num_heads, num_kv_heads, head_dim = heads
+    seqs = [(37, 10), (50, 1), (0, 70), (38, 3)]
+    q, k, v, cache, batch, _, _ = make_case(seqs, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=5)
+    tree = tree_masks([0, 0, 1, 1, 2, 3, 3, 5, 0])
+    drafter = [0b10110001001, 0b01001000011, 0b100000000110]  # bits over keys 30 .. 41
+    batch.tree_mask = torch.tensor(tree + [-1] + [-1] * 70 + drafter)
+    batch.tree_start = torch.tensor([37, 51, 70, 30], dtype=torch.int32)
+    config = None
+    if num_splits:
+        auto = choose_config(batch, num_heads, num_kv_heads, head_dim, dtype, q.device)
+        config = AttentionConfig(auto.block_m, auto.block_n, num_splits, auto.num_warps, auto.num_stages)
+    want_cache = cache.clone()
+    want = TorchAttention().forward(q, k, v, want_cache, batch, 0.125)
+    got = TritonAttention().forward(q, k, v, cache, batch, 0.125) if config is None else \
+        paged_attention(rotate_and_store(q, k, v, cache, batch, None), cache, batch, 0.125, config)
+    torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
+
+
+def test_a_tree_node_sees_what_its_path_laid_out_causally_sees():
+    """The reference's tree mask is causal attention over the node's path: a node's output
+    equals that of the same keys laid out as a chain (context, then its ancestors)."""
+    from tidal.attention.torch_ref import TorchAttention
+
+    gen = torch.Generator().manual_seed(9)
+    ctx, page_size, heads, dim = 21, 16, (4, 2), 64
+    parents = [0, 0, 1, 2, 2, 4]  # node 6 hangs from 4, which hangs from 2, which hangs from the root
+    n = 1 + len(parents)
+    cache = torch.zeros(2, 8, page_size, heads[1], dim)
+    q = torch.randn(n, heads[0], dim, generator=gen)
+    k, v = torch.randn(n, heads[1], dim, generator=gen), torch.randn(n, heads[1], dim, generator=gen)
+    context = torch.randn(2, ctx, heads[1], dim, generator=gen)
+    flat = cache.view(2, -1, heads[1], dim)
+    pages = [1, 2, 3]
+    flat[:, [pages[p // page_size] * page_size + p % page_size for p in range(ctx)]] = context
+    batch = ForwardBatch.build([[0] * n], [ctx], [pages], page_size, "cpu")
+    batch.tree_mask, batch.tree_start = torch.tensor(tree_masks(parents)), torch.tensor([ctx], dtype=torch.int32)
+    tree_out = TorchAttention().forward(q, k, v, cache.clone(), batch, 0.125)
+    path = [0, 2, 4, 6]  # query indices from the root down to node 6
+    chain = ForwardBatch.build([[0] * len(path)], [ctx], [pages], page_size, "cpu")
+    chain_out = TorchAttention().forward(q[path], k[path], v[path], cache.clone(), chain, 0.125)
+    torch.testing.assert_close(tree_out[path], chain_out)

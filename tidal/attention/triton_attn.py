@@ -95,12 +95,13 @@ def _rotate_store_kernel(
 @triton.jit
 def _attend_block(
     acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
-    stride_kv, stride_page, stride_slot, offs_d,
+    stride_kv, stride_page, stride_slot, offs_d, tree_start, tree_bits,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Online-softmax update with keys n0 .. n0 + BLOCK_N. With MASKED, keys at or past
-    `end` are skipped and row r only sees keys <= last_key[r]."""
+    `end` are skipped and row r only sees keys <= last_key[r]; with TREE too, of the keys
+    from `tree_start` on only those whose bit is set in tree_bits[r] (`ForwardBatch.tree_mask`)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         in_range = offs_n < end
@@ -119,6 +120,10 @@ def _attend_block(
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
     if MASKED:
         visible = (offs_n[None, :] <= last_key[:, None]) & in_range[None, :]
+        if TREE:
+            rel = offs_n - tree_start
+            bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+            visible = visible & ((rel[None, :] < 0) | (bit != 0))
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -134,16 +139,17 @@ def _attend_block(
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"])
 def _attention_kernel(
     q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    qk_scale, num_splits,
+    tree_mask_ptr, tree_start_ptr, qk_scale, num_splits,
     stride_qt, stride_qh,
     stride_kv, stride_page, stride_slot, stride_head, stride_pt,
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Program (query block x split, request, kv head). Tile row r is query token
-    r // GROUP of the block with query head r % GROUP of this kv head's group."""
+    r // GROUP of the block with query head r % GROUP of this kv head's group. With TREE,
+    keys from the request's tree_start on are seen as its query tokens' masks say."""
     q_block = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
@@ -171,6 +177,12 @@ def _attention_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, kv_end)
     mid = tl.maximum(start, tl.minimum(end, shared_end // BLOCK_N * BLOCK_N))
+    tree_start = seq_len
+    tree_bits = tl.full([BLOCK_M], -1, dtype=tl.int64)
+    if TREE:  # a tree's keys are masked per row, never in the unmasked loop
+        tree_start = tl.load(tree_start_ptr + seq)
+        tree_bits = tl.load(tree_mask_ptr + q_start + tok, mask=row_ok, other=-1)
+        mid = tl.maximum(start, tl.minimum(mid, tree_start // BLOCK_N * BLOCK_N))
 
     kv_ptr = cache_ptr + kv_head * stride_head
     page_row_ptr = page_table_ptr + seq * stride_pt
@@ -181,11 +193,13 @@ def _attention_kernel(
     for n0 in range(start, mid, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
-            stride_kv, stride_page, stride_slot, offs_d, PAGE_SIZE, BLOCK_N, False, PRECISION)
+            stride_kv, stride_page, stride_slot, offs_d, tree_start, tree_bits,
+            PAGE_SIZE, BLOCK_N, False, PRECISION, TREE)
     for n0 in range(mid, end, BLOCK_N):
         acc, m_i, l_i = _attend_block(
             acc, m_i, l_i, q, kv_ptr, page_row_ptr, n0, end, last_key, qk_scale,
-            stride_kv, stride_page, stride_slot, offs_d, PAGE_SIZE, BLOCK_N, True, PRECISION)
+            stride_kv, stride_page, stride_slot, offs_d, tree_start, tree_bits,
+            PAGE_SIZE, BLOCK_N, True, PRECISION, TREE)
 
     # A split may hold no key a row sees (l_i = 0): its partial is 0 with weight 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -347,8 +361,10 @@ def paged_attention(
         dst, lse = out.unsqueeze(0), out  # lse is unused without splits
     grid = (triton.cdiv(batch.max_query_len, block_q) * cfg.num_splits, batch.num_seqs,
             num_kv_heads)
+    tree = batch.tree_mask is not None
     _attention_kernel[grid](
         q, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, dst, lse,
+        batch.tree_mask if tree else batch.slot_mapping, batch.tree_start if tree else batch.seq_lens,
         scale * _LOG2E, cfg.num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -356,7 +372,7 @@ def paged_attention(
         dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_Q=block_q, SPLIT=split,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split:
@@ -384,20 +400,25 @@ class TritonAttention:
     ) -> torch.Tensor:
         q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin, qk_norm)
         if not compile_watch.is_serving:  # (while serving, a forward does only its own work)
-            self._build_every_variant(q, kv_cache)
+            self._build_every_variant(q, kv_cache, batch.tree_mask is not None)
         return paged_attention(q, kv_cache, batch, scale, out=out)
 
-    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor, tree: bool) -> None:
         """At start-up, at the first forward of a geometry (heads, head size, dtype, page
-        size) that is not being captured in a CUDA graph, attend one token over the null page
-        with every configuration `choose_config` can pick: each is then built before any
-        user's step needs it. Which tile a step takes depends on its query lengths and batch,
-        so a variant first met while serving would be built inside that step."""
-        geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype)
+        size, with or without trees of drafts) that is not being captured in a CUDA graph,
+        attend one token over the null page with every configuration `choose_config` can
+        pick: each is then built before any user's step needs it. Which tile a step takes
+        depends on its query lengths and batch, so a variant first met while serving would be
+        built inside that step. (An engine that drafts trees meets them at start-up: its
+        graphs carry tree inputs, and its memory plan drafts a tree.)"""
+        geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype, tree)
         if not q.is_cuda or geometry in self.built or torch.cuda.is_current_stream_capturing():
             return
         self.built.add(geometry)
         batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], kv_cache.shape[2], q.device)
+        if tree:
+            batch.tree_mask = torch.full((1,), -1, dtype=torch.int64, device=q.device)
+            batch.tree_start = torch.zeros(1, dtype=torch.int32, device=q.device)
         one = torch.zeros_like(q[:1])
         for config in every_config(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype):
             paged_attention(one, kv_cache, batch, 1.0, config)
