@@ -262,62 +262,94 @@ def test_qk_norm_is_fused_as_the_modules_apply_it(dtype, bf16_rounds_to_nearest)
     torch.testing.assert_close(out, want, **tol(dtype))
 
 
-def tree_masks(parents, start_bit=0):
-    """Ancestor masks (bit j: query j, shifted by start_bit) of a root and nodes hanging
-    from `parents` (query indices, each below its node's)."""
-    masks = [1 << start_bit]
-    for r, p in enumerate(parents):
-        masks.append(masks[p] | (1 << (start_bit + r + 1)))
+def random_tree(n, gen, roots=1):
+    """Ancestor masks (bit j: node j; a node is its own ancestor) of a random forest of n
+    nodes: nodes 0 .. roots - 1 roots, each later node under a random earlier one."""
+    masks = [1 << i for i in range(roots)]
+    for i in range(roots, n):
+        masks.append(masks[int(torch.randint(i, (1,), generator=gen))] | 1 << i)
     return masks
 
 
+# (cached tokens, new tokens): a tree (root + 9 nodes), a decode, a prefill, and the drafter's
+# frontier nodes, a row of 3 and a row of 1, whose ancestors earlier forwards stored.
+TREE_SEQS = [(37, 10), (50, 1), (0, 70), (75, 3), (66, 1)]
+
+
+def tree_batch(batch, gen):
+    """Give `batch` (of TREE_SEQS) its trees. The tree row's window starts at its root, its
+    first query token. The decode sees all (mask -1, tree_start = seq_len), the prefill too
+    through a window of 70 keys from 0 (mask -1: the bit is clamped to 63). The drafter's
+    windows start before its query tokens, 16 and 9 keys from the ends: the keys of random
+    forests whose last nodes are the query tokens (its depth-1 nodes come first, their root
+    before the window), so some don't see the window's first key."""
+    drafter, one = random_tree(16, gen, roots=3), random_tree(9, gen, roots=3)
+    assert not all(m & 1 for m in drafter[-3:]) and not one[-1] & 1
+    batch.tree_mask = torch.tensor(random_tree(10, gen) + [-1] + [-1] * 70 + drafter[-3:] + one[-1:])
+    batch.tree_start = torch.tensor([37, 51, 0, 78 - 16, 67 - 9], dtype=torch.int32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,page_size", [((4, 2, 64), 16), ((6, 2, 64), 32), ((4, 1, 128), 16)])
+@pytest.mark.parametrize("heads,page_size", [((4, 2, 64), 16), ((6, 2, 64), 32), ((4, 1, 128), 64)])
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_tree_masks_match_the_reference(heads, page_size, dtype, num_splits):
-    """A batch of a tree (root + 9 nodes), a decode, a prefill of 70 tokens and a drafter's
-    row of frontier nodes whose ancestors lie before its query tokens (tree_start 30 of a
-    context of 41): Triton equals the torch reference, which applies the same masks."""
+    """Triton equals the torch reference on a batch of trees and rows without (TREE_SEQS),
+    in one pass or 3 splits. The drafter's windows start inside the key blocks the unmasked
+    loop would take (blocks of 32 and 64 keys), so a tree key leaking into it is seen."""
     from tidal.attention.torch_ref import TorchAttention
 
     num_heads, num_kv_heads, head_dim = heads
-    seqs = [(37, 10), (50, 1), (0, 70), (38, 3)]
-    q, k, v, cache, batch, _, _ = make_case(seqs, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=5)
-    tree = tree_masks([0, 0, 1, 1, 2, 3, 3, 5, 0])
-    drafter = [0b10110001001, 0b01001000011, 0b100000000110]  # bits over keys 30 .. 41
-    batch.tree_mask = torch.tensor(tree + [-1] + [-1] * 70 + drafter)
-    batch.tree_start = torch.tensor([37, 51, 70, 30], dtype=torch.int32)
-    config = None
-    if num_splits:
+    q, k, v, cache, batch, _, _ = make_case(TREE_SEQS, num_heads, num_kv_heads, head_dim, page_size, dtype, seed=5)
+    tree_batch(batch, torch.Generator().manual_seed(13))
+    want = TorchAttention().forward(q, k, v, cache.clone(), batch, 0.125)
+    if num_splits is None:
+        got = TritonAttention().forward(q, k, v, cache, batch, 0.125)
+    else:
         auto = choose_config(batch, num_heads, num_kv_heads, head_dim, dtype, q.device)
         config = AttentionConfig(auto.block_m, auto.block_n, num_splits, auto.num_warps, auto.num_stages)
-    want_cache = cache.clone()
-    want = TorchAttention().forward(q, k, v, want_cache, batch, 0.125)
-    got = TritonAttention().forward(q, k, v, cache, batch, 0.125) if config is None else \
-        paged_attention(rotate_and_store(q, k, v, cache, batch, None), cache, batch, 0.125, config)
+        got = paged_attention(rotate_and_store(q, k, v, cache, batch, None), cache, batch, 0.125, config)
     torch.testing.assert_close(got.float(), want.float(), **tol(dtype))
 
 
-def test_a_tree_node_sees_what_its_path_laid_out_causally_sees():
-    """The reference's tree mask is causal attention over the node's path: a node's output
-    equals that of the same keys laid out as a chain (context, then its ancestors)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_node_sees_what_its_path_laid_out_causally_sees(dtype):
+    """A tree mask is causal attention over the node's path: a node's output equals that of
+    the same keys laid out as a chain (context, then its ancestors), in the torch reference
+    and in Triton."""
     from tidal.attention.torch_ref import TorchAttention
 
     gen = torch.Generator().manual_seed(9)
-    ctx, page_size, heads, dim = 21, 16, (4, 2), 64
-    parents = [0, 0, 1, 2, 2, 4]  # node 6 hangs from 4, which hangs from 2, which hangs from the root
-    n = 1 + len(parents)
-    cache = torch.zeros(2, 8, page_size, heads[1], dim)
-    q = torch.randn(n, heads[0], dim, generator=gen)
-    k, v = torch.randn(n, heads[1], dim, generator=gen), torch.randn(n, heads[1], dim, generator=gen)
-    context = torch.randn(2, ctx, heads[1], dim, generator=gen)
-    flat = cache.view(2, -1, heads[1], dim)
-    pages = [1, 2, 3]
-    flat[:, [pages[p // page_size] * page_size + p % page_size for p in range(ctx)]] = context
-    batch = ForwardBatch.build([[0] * n], [ctx], [pages], page_size, "cpu")
-    batch.tree_mask, batch.tree_start = torch.tensor(tree_masks(parents)), torch.tensor([ctx], dtype=torch.int32)
-    tree_out = TorchAttention().forward(q, k, v, cache.clone(), batch, 0.125)
-    path = [0, 2, 4, 6]  # query indices from the root down to node 6
-    chain = ForwardBatch.build([[0] * len(path)], [ctx], [pages], page_size, "cpu")
-    chain_out = TorchAttention().forward(q[path], k[path], v[path], cache.clone(), chain, 0.125)
-    torch.testing.assert_close(tree_out[path], chain_out)
+    ctx, n = 21, 12
+    q, k, v, cache, batch, _, _ = make_case([(ctx, n)], 4, 2, 64, 16, dtype, seed=9)
+    masks = random_tree(n, gen)
+    batch.tree_mask, batch.tree_start = torch.tensor(masks), torch.tensor([ctx], dtype=torch.int32)
+    node = max(range(n), key=lambda i: masks[i].bit_count())  # a deepest node
+    path = [i for i in range(n) if masks[node] >> i & 1]  # the root down to it
+    assert len(path) > 2
+    chain = ForwardBatch.build([[1] * len(path)], [ctx], [batch.page_table[0].tolist()], 16, "cpu")
+    for backend in (TorchAttention(), TritonAttention()):
+        tree_out = backend.forward(q, k, v, cache.clone(), batch, 0.125)
+        chain_out = backend.forward(q[path], k[path], v[path], cache.clone(), chain, 0.125)
+        torch.testing.assert_close(tree_out[path], chain_out, **tol(dtype))
+
+
+def test_start_up_builds_the_tree_variants_too(monkeypatch):
+    """The first forward of a geometry at start-up, without trees, runs every configuration
+    without and with them (an engine may meet no tree before it serves), once."""
+    import tidal.attention.triton_attn as triton_attn
+
+    class OnDevice:  # q as _build_every_variant sees it on a GPU
+        is_cuda, shape, dtype, device = True, (1, 8, 64), torch.bfloat16, torch.device("cpu")
+
+        def __getitem__(self, index):
+            return torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+
+    ran = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(triton_attn, "paged_attention",
+                        lambda q, cache, batch, scale, config: ran.append((config, batch.tree_mask is not None)))
+    backend, cache = TritonAttention(), torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    backend._build_every_variant(OnDevice(), cache)
+    backend._build_every_variant(OnDevice(), cache)
+    configs = every_config(8, 2, 64, torch.bfloat16)
+    assert ran == [(config, tree) for tree in (False, True) for config in configs]

@@ -135,8 +135,10 @@ def _attend_block(
 
 # Runtime ints that change from step to step (split count, page-table width, token count
 # in scratch strides) are not specialised on: each new value class would compile another
-# kernel in the middle of a user's step.
-@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"])
+# kernel in the middle of a user's step. Nor is the tree inputs' alignment: they come from
+# several buffers (a stand-in's without trees), and feed one small load per row.
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"],
+            do_not_specialize_on_alignment=["tree_mask_ptr", "tree_start_ptr"])
 def _attention_kernel(
     q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     tree_mask_ptr, tree_start_ptr, qk_scale, num_splits,
@@ -400,25 +402,28 @@ class TritonAttention:
     ) -> torch.Tensor:
         q = rotate_and_store(q, k, v, kv_cache, batch, None if rotary is None else rotary.cos_sin, qk_norm)
         if not compile_watch.is_serving:  # (while serving, a forward does only its own work)
-            self._build_every_variant(q, kv_cache, batch.tree_mask is not None)
+            self._build_every_variant(q, kv_cache)
         return paged_attention(q, kv_cache, batch, scale, out=out)
 
-    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor, tree: bool) -> None:
+    def _build_every_variant(self, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
         """At start-up, at the first forward of a geometry (heads, head size, dtype, page
-        size, with or without trees of drafts) that is not being captured in a CUDA graph,
-        attend one token over the null page with every configuration `choose_config` can
-        pick: each is then built before any user's step needs it. Which tile a step takes
-        depends on its query lengths and batch, so a variant first met while serving would be
-        built inside that step. (An engine that drafts trees meets them at start-up: its
-        graphs carry tree inputs, and its memory plan drafts a tree.)"""
-        geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype, tree)
+        size) that is not being captured in a CUDA graph, attend one token over the null page
+        with every configuration `choose_config` can pick, without and with trees of drafts:
+        each is then built before any user's step needs it. Which tile a step takes depends
+        on its query lengths and batch, so a variant first met while serving would be built
+        inside that step. The tree variants are built even when no forward of start-up has
+        a tree: the drafter's tree steps run eagerly, and the start-up steps that draft one
+        (the memory plan, the cost profile) are skipped with num_pages given and a cached
+        profile."""
+        geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype)
         if not q.is_cuda or geometry in self.built or torch.cuda.is_current_stream_capturing():
             return
         self.built.add(geometry)
         batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], kv_cache.shape[2], q.device)
-        if tree:
-            batch.tree_mask = torch.full((1,), -1, dtype=torch.int64, device=q.device)
-            batch.tree_start = torch.zeros(1, dtype=torch.int32, device=q.device)
         one = torch.zeros_like(q[:1])
-        for config in every_config(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype):
-            paged_attention(one, kv_cache, batch, 1.0, config)
+        for tree in (False, True):
+            if tree:
+                batch.tree_mask = torch.full((1,), -1, dtype=torch.int64, device=q.device)
+                batch.tree_start = torch.zeros(1, dtype=torch.int32, device=q.device)
+            for config in every_config(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype):
+                paged_attention(one, kv_cache, batch, 1.0, config)
