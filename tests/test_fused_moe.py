@@ -10,7 +10,8 @@ pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from tidal.layers.fused_moe import _group_by_expert, fused_moe, route  # noqa: E402
+from tidal.layers.fused_moe import (_ONE_PROGRAM_PAIRS, _config, _group_by_expert, _route_and_group,  # noqa: E402
+                                    fused_moe, route, routed_moe)
 from tidal.layers.moe import experts_reference, route_reference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("bf16_rounds_to_nearest")
@@ -133,6 +134,41 @@ def test_route_ties_go_to_the_first_expert():
     weights, ids = route(logits, 3, renormalize=False)
     assert ids.tolist() == [[1, 3, 2]]
     assert weights[0, 0] == weights[0, 1] > weights[0, 2]
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 128, 8), (5, 128, 8), (8, 128, 8), (3, 12, 4), (32, 8, 2),
+                                                   (1, 4, 4)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_route_and_group_in_one_program(tokens, experts, top_k, renormalize):
+    """The one-program kernel picks `route_reference`'s experts and weights and lays the pairs
+    out as `_group_by_expert` does, in every block in use (blocks past them it leaves): one
+    token of Qwen3-30B-A3B's 128 experts, verification-sized steps, up to the most pairs it
+    takes, E not a power of two, and every expert hit. Distinct logits (quarters, exact)."""
+    gen = torch.Generator().manual_seed(tokens * experts)
+    logits = torch.stack([torch.randperm(experts, generator=gen) for _ in range(tokens)]) / 4 - 1
+    logits[:, 0] = logits[0, 0]  # one expert picked often
+    assert tokens * top_k <= _ONE_PROGRAM_PAIRS
+    block_m = _config(tokens, top_k, experts, torch.float32)["BLOCK_M"]
+    weights, ids, pair_ids, block_expert = _route_and_group(logits, top_k, renormalize, experts, block_m)
+    expected_weights, expected_ids = route_reference(logits, top_k, renormalize)
+    assert ids.tolist() == expected_ids.reshape(-1).tolist()
+    torch.testing.assert_close(weights, expected_weights.reshape(-1), atol=1e-6, rtol=1e-6)
+    want_pairs, want_blocks = _group_by_expert(expected_ids, experts, block_m)
+    assert block_expert.tolist() == want_blocks.tolist()
+    in_use = (want_blocks < experts).sum().item() * block_m
+    assert pair_ids[:in_use].tolist() == want_pairs[:in_use].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_routed_moe_matches_reference(dtype, tokens):
+    """The experts routed from the router's logits: one program routing and grouping (1 and
+    5 tokens of k = 4), the route and grouping kernels (37)."""
+    x, w13, w2, _, _ = make_moe(tokens, 12, 4, dtype=dtype)
+    logits = torch.randn(tokens, 12, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    for renormalize in (False, True):
+        weights, ids = route_reference(logits, 4, renormalize)
+        close(routed_moe(x, logits, w13, w2, 4, renormalize), experts_reference(x, w13, w2, weights, ids))
 
 
 def test_reference_matches_transformers():

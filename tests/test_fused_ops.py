@@ -236,3 +236,44 @@ def test_accept_matching_commits_what_verify_commits(simulate):
     assert accept.tolist() == want_accept.tolist()
     assert len(set(accept.tolist())) >= 4  # short and long prefixes both occur
     assert [t[:n] for t, n in zip(tokens.tolist(), accept)] == [t[:n] for t, n in zip(want_tokens.tolist(), accept)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden, n, tiles", [(128, 37, None), (1000, 130, None), (96, 2050, None),
+                                              (100, 45, (4, 4)), (64, 33, (2, 8))])
+def test_norm_gemv_is_the_add_the_norm_and_the_product(dtype, gated, with_residual, hidden, n, tiles):
+    """One token's residual add, RMSNorm and product (with the SwiGLU or not) in one kernel:
+    the unfused modules' stream (exactly), normed row and product, with a bias or not (Qwen2's
+    q|k|v), a row a program and several (a last block of rows part full), a hidden size that
+    is not a power of two; the inputs untouched."""
+    from tidal.layers.linear import Linear, MergedColumnLinear, norm_product
+
+    torch.manual_seed(0)
+    norm = RMSNorm(hidden, 1e-6).to(dtype)
+    norm.weight.data = 1 + torch.randn(hidden, dtype=dtype) / 4
+    layer = (MergedColumnLinear(hidden, [n, n]) if gated else Linear(hidden, n, bias=True)).to(dtype)
+    layer.weight.data = (torch.randn(layer.weight.shape) / hidden ** 0.5).to(dtype)
+    if layer.bias is not None:
+        layer.bias.data = torch.randn(n, dtype=dtype)
+    x = torch.randn(1, hidden, dtype=dtype)
+    residual = torch.randn(1, hidden, dtype=dtype) if with_residual else None
+    before = (x.clone(), None if residual is None else residual.clone())
+    want = norm_product(norm, x, residual, layer, gated)  # on the CPU: the modules, unfused
+    got = fused.norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, gated, tiles)
+    close(got[0], want[0])
+    close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], atol=0, rtol=0)
+    assert got[2] is x if residual is None else got[2].data_ptr() not in (x.data_ptr(), residual.data_ptr())
+    assert torch.equal(x, before[0]) and (residual is None or torch.equal(residual, before[1]))
+
+
+def test_norm_gemv_tiles():
+    """A router's 128 outputs keep a row a program; q|k|v's thousands take 4 rows (2 gated
+    pairs), fewer where K is long, with warps for about 32 weights a thread."""
+    assert fused.norm_gemv_tiles(128, 2048, False) == (1, 4)
+    assert fused.norm_gemv_tiles(5120, 2048, False) == (4, 8)
+    assert fused.norm_gemv_tiles(14336, 4096, True) == (2, 16)
+    assert fused.norm_gemv_tiles(6144, 8192, False) == (2, 16)
+    assert fused.norm_gemv_tiles(6144, 16384, True) == (1, 16)

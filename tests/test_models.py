@@ -129,6 +129,26 @@ def test_greedy_decode_matches_transformers_generate(checkpoint, arch):
     assert len(set(tokens[len(prompt):])) > 4, "tiny model collapsed onto a repeated token"
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_token_kernels_decode_as_the_modules(checkpoint, arch, monkeypatch):
+    """A one-token decode through the kernels CUDA runs it with (the add and norm in the
+    q|k|v, gate|up and router products, `norm_product`; the GEMVs after attention), run here
+    through Triton's interpreter, gives the modules' logits: the layers hand the norms, the
+    residual stream and the normed tokens on as the unfused path does."""
+    pytest.importorskip("triton")
+    from tidal.layers import linear
+
+    model = load_model(checkpoint(arch), torch.float32, "cpu", TorchAttention())
+    prompt = PROMPTS[2]
+    want, got = Runner(model, 1), Runner(model, 1)
+    for runner in (want, got):
+        runner.step([prompt[:-1]], [0])
+    expected, _ = want.step([prompt[-1:]], [len(prompt) - 1])
+    monkeypatch.setattr(linear, "one_token_on_cuda", lambda x: x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1)
+    logits, _ = got.step([prompt[-1:]], [len(prompt) - 1])
+    torch.testing.assert_close(logits[0], expected[0], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_aux_hidden_states_match_transformers(checkpoint, arch):
     path = checkpoint(arch)

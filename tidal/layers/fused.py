@@ -3,7 +3,8 @@
 At batch 1 a decode step is dominated by launch count, so RMSNorm (+ residual add),
 the rotary embedding (for the torch attention backend; the Triton one rotates as it stores
 k/v) and SiluAndMul each run as one kernel here instead of several eager torch kernels, and
-at one token the MLP's gate/up product and its SwiGLU are one kernel. Each matches the
+at one token the residual add and RMSNorm before a product, the product and (for the MLP's
+gate/up) its SwiGLU are one kernel (`norm_gemv`). Each matches the
 torch code of its module: same dtype promotion, same roundings (e.g. the residual sum is
 rounded to the input dtype before the norm). Grids and outputs depend on shapes only, so
 all of them are CUDA-graph capturable. Outputs are fresh contiguous tensors; inputs are
@@ -243,6 +244,91 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, block_n: in
         GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
     )
     return out
+
+
+@triton.jit
+def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, normed_ptr, K, N, stride_w, eps,
+                      HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_rms_norm_kernel`'s residual add and norm of one token, then the `_gemv_kernel`
+    product of the normed row with ROWS rows of W (the whole of K in one tile). Each program
+    recomputes the norm, since no program can wait for another's; its rows of W are loaded
+    first, so that their reads overlap the norm. Program 0 writes the sum and the normed row
+    (to fresh tensors: the others still read x and the residual)."""
+    pid = tl.program_id(0)
+    rn = pid * ROWS + tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    k_ok = rk < K
+    mask = n_ok[:, None] & k_ok[None, :]
+    rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    w = tl.load(rows, mask=mask, other=0.0)
+    if GATED:
+        w_up = tl.load(rows + N.to(tl.int64) * stride_w, mask=mask, other=0.0)
+    x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rk, mask=k_ok, other=0.0)
+        s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    else:
+        s = x
+    h = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+    dtype = out_ptr.dtype.element_ty
+    norm_w = tl.load(norm_w_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    normed = (norm_w * (h * rstd).to(s.dtype).to(tl.float32)).to(dtype)  # rounded as RMSNorm rounds
+    if pid == 0:
+        tl.store(normed_ptr + rk, normed, mask=k_ok)
+        if HAS_RESIDUAL:
+            tl.store(sum_ptr + rk, s, mask=k_ok)
+    hn = normed.to(tl.float32)[None, :]
+    acc = tl.sum(w.to(tl.float32) * hn, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    out = acc.to(dtype)
+    if GATED:
+        up = tl.sum(w_up.to(tl.float32) * hn, axis=1)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        gate = out.to(tl.float32)
+        out = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + rn, out, mask=n_ok)
+
+
+def norm_gemv_tiles(n: int, k: int, gated: bool) -> tuple[int, int]:
+    """(rows of W a program takes, warps) for `norm_gemv`. A program reads the token, the
+    residual and the norm's weights (3 K elements) beside its rows: 4 rows (2 gated pairs)
+    make that less than the token alone cost the plain GEMV, which reads it once per row;
+    short outputs (a router's) keep a row a program, so that enough programs stream. Warps
+    hold about 32 weights a thread."""
+    block_k, halves = triton.next_power_of_2(k), 2 if gated else 1
+    rows = 1 if n < 2048 else max(1, min(4 // halves, 16384 // (block_k * halves)))
+    return rows, max(4, min(16, rows * block_k * halves // 1024))
+
+
+def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
+              tiles: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(product, normed, stream) for one token x [1, K]: stream = x + residual (x itself when
+    residual is None), normed = RMSNorm(stream), product = F.linear(normed, weight, bias), or
+    with `gated` its SiluAndMul (weight a fused [gate | up]), in one kernel, where a batch-1
+    decode ran the norm as a launch of its own before `gemv`. Rounded as the unfused modules
+    round. `tiles`: other than `norm_gemv_tiles`' (benchmarks). All tensors share x's dtype."""
+    k = x.shape[1]
+    assert x.shape[0] == 1 and x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert x.dtype == weight.dtype == norm_weight.dtype and norm_weight.is_contiguous()
+    assert residual is None or (residual.shape == x.shape and residual.stride(-1) == 1 and residual.dtype == x.dtype)
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    rows, num_warps = tiles or norm_gemv_tiles(n, k, gated)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    normed = torch.empty(1, k, dtype=x.dtype, device=x.device)
+    stream = x if residual is None else torch.empty(1, k, dtype=x.dtype, device=x.device)
+    _norm_gemv_kernel[(triton.cdiv(n, rows),)](
+        x, x if residual is None else residual, norm_weight, weight, out if bias is None else bias, out, stream,
+        normed, k, n, weight.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated, ROWS=rows,
+        BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps,
+    )
+    return out, normed, stream
 
 
 # ---------------------------------------------------------------------------- sampling

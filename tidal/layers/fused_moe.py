@@ -10,8 +10,9 @@ shapes only; blocks past the data-dependent number in use find an out-of-range e
 exit. So the whole of fused_moe can be captured in a CUDA graph.
 
 The router's softmax, top k and renormalisation are one launch too (`route`), and so is the
-sum over each token's k experts: at batch 1 a layer's launches, not its bytes, set much of
-its time (docs/design.md, "Mixture-of-Experts targets").
+sum over each token's k experts; for a few tokens (decode, verification at small batch) one
+program routes and groups them (`routed_moe`): at batch 1 a layer's launches, not its bytes,
+set much of its time (docs/design.md, "Mixture-of-Experts targets").
 
 Integer arguments that follow the token count are not specialised on, so start-up's variants
 cover every step (docs/design.md, "Every kernel is built at start-up").
@@ -234,6 +235,91 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+# At most this many (token, expert) pairs are routed and grouped by one program.
+_ONE_PROGRAM_PAIRS = 64
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_rows"])
+def _route_group_kernel(
+    logits_ptr, weights_ptr, ids_ptr, pair_ids_ptr, block_expert_ptr,
+    num_tokens, num_experts, num_rows, s_row,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+):
+    """One program: `_route_kernel` for every token (TOKENS at a time), then `_place_kernel`'s
+    layout of the pairs by expert, read back from the ids it wrote. Padding rows are written
+    expert by expert, and a block's expert block by block; rows of blocks past the last in use
+    are left unwritten (the GEMMs skip those blocks)."""
+    experts = tl.arange(0, BLOCK_E)
+    slots = tl.arange(0, BLOCK_K)
+    for t0 in range(0, num_tokens, TOKENS):
+        toks = t0 + tl.arange(0, TOKENS)
+        tok_ok = toks < num_tokens
+        logits = tl.load(logits_ptr + toks[:, None].to(tl.int64) * s_row + experts[None, :],
+                         mask=tok_ok[:, None] & (experts < num_experts)[None, :], other=float("-inf")).to(tl.float32)
+        logits = tl.where(tok_ok[:, None], logits, 0.0)  # rows past the tokens: finite, never stored
+        top = tl.max(logits, 1)
+        total = tl.sum(tl.exp(logits - top[:, None]), 1)
+        weights = tl.zeros([TOKENS, BLOCK_K], dtype=tl.float32)
+        ids = tl.zeros([TOKENS, BLOCK_K], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(logits, 1)
+            expert = tl.min(tl.where(logits == best[:, None], experts[None, :], BLOCK_E), 1)
+            weights = tl.where(slots[None, :] == j, (tl.exp(best - top) / total)[:, None], weights)
+            ids = tl.where(slots[None, :] == j, expert[:, None], ids)
+            logits = tl.where(experts[None, :] == expert[:, None], float("-inf"), logits)
+        if RENORMALIZE:
+            weights = weights / tl.sum(weights, 1)[:, None]
+        pairs = toks[:, None] * TOP_K + slots[None, :]
+        ok = tok_ok[:, None] & (slots < TOP_K)[None, :]
+        tl.store(weights_ptr + pairs, weights, mask=ok)
+        tl.store(ids_ptr + pairs, ids, mask=ok)
+    tl.debug_barrier()  # the ids are written before the program's threads read each other's
+    num_pairs = num_tokens * TOP_K
+    counts = _count(ids_ptr, 0, num_pairs, experts, TILE)
+    padded_counts = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    padded_ends = tl.cumsum(padded_counts, 0)
+    padded_starts = padded_ends - padded_counts
+    next_row = padded_starts
+    for start in range(0, num_pairs, TILE):
+        pairs = start + tl.arange(0, TILE)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        dest = tl.sum(one_hot * (next_row[None, :] + tl.cumsum(one_hot, 0) - 1), 1)
+        tl.store(pair_ids_ptr + dest, pairs, mask=pairs < num_pairs)
+        next_row += tl.sum(one_hot, 0)
+    pad_rows = (padded_starts + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(pair_ids_ptr + pad_rows, tl.zeros_like(pad_rows) + num_pairs, mask=pad_rows < padded_ends[:, None])
+    num_blocks = num_rows // BLOCK_M
+    for b0 in range(0, num_blocks, TILE):
+        blocks = b0 + tl.arange(0, TILE)
+        # A block's expert: the number of experts whose padded group ends at or before it.
+        block_expert = tl.sum((padded_ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(block_expert, num_experts), mask=blocks < num_blocks)
+
+
+def _route_and_group(logits: torch.Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int):
+    """(weights [T*k] float32, ids [T*k] int32, pair_ids, block_expert): `route` then
+    `_group_by_expert` in one launch, for at most `_ONE_PROGRAM_PAIRS` pairs."""
+    num_tokens = logits.shape[0]
+    num_pairs, device = num_tokens * top_k, logits.device
+    assert 0 < num_pairs <= _ONE_PROGRAM_PAIRS and logits.stride(-1) == 1 and logits.shape[1] == num_experts
+    num_rows = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    weights = torch.empty(num_pairs, dtype=torch.float32, device=device)
+    ids = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    pair_ids = torch.empty(num_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(num_rows // block_m, dtype=torch.int32, device=device)
+    # Tiles by the experts alone, so that no token count builds another kernel.
+    _route_group_kernel[(1,)](
+        logits, weights, ids, pair_ids, block_expert,
+        num_tokens, num_experts, num_rows, logits.stride(0),
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        TOKENS=max(1, 1024 // block_e), BLOCK_M=block_m, TILE=max(16, min(64, 4096 // block_e)),
+    )
+    return weights, ids, pair_ids, block_expert
+
+
 _SUM_BLOCK = 512
 
 
@@ -257,16 +343,42 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Returns [T, H] in x.dtype: sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), where
     g, u = split(w13[e] @ x[t]) and e = topk_ids[t, j]. `config`: tiles other than `_config`'s
     (benchmarks/fused_moe_sweep.py)."""
-    num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    inter, top_k = two_inter // 2, topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0:
+    num_tokens = x.shape[0]
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    if num_tokens * top_k == 0:
         return torch.zeros_like(x)
     config = config or _config(num_tokens, top_k, num_experts, x.dtype)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    pair_ids, block_expert = _group_by_expert(topk_ids, num_experts, block_m)
-    weights = topk_weights.reshape(-1).to(torch.float32)
+    pair_ids, block_expert = _group_by_expert(topk_ids, num_experts, config["BLOCK_M"])
+    return _experts(x, w13, w2, topk_weights.reshape(-1).to(torch.float32), pair_ids, block_expert, top_k, config)
+
+
+def routed_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+               renormalize: bool) -> torch.Tensor:
+    """`fused_moe` of x [T, H] routed by the router's logits [T, E] as `route` routes them.
+    Up to `_ONE_PROGRAM_PAIRS` pairs one launch routes and groups them (`_route_group_kernel`),
+    where `route` and the grouping were two; more take those two (many programs each)."""
+    num_tokens = x.shape[0]
+    num_experts = w13.shape[0]
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(x)
+    config = _config(num_tokens, top_k, num_experts, x.dtype)
+    if num_tokens * top_k <= _ONE_PROGRAM_PAIRS:
+        weights, _, pair_ids, block_expert = _route_and_group(logits, top_k, renormalize, num_experts,
+                                                              config["BLOCK_M"])
+    else:
+        weights, ids = route(logits, top_k, renormalize)
+        pair_ids, block_expert = _group_by_expert(ids, num_experts, config["BLOCK_M"])
+        weights = weights.reshape(-1)
+    return _experts(x, w13, w2, weights, pair_ids, block_expert, top_k, config)
+
+
+def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, pair_ids: torch.Tensor,
+             block_expert: torch.Tensor, top_k: int, config: dict) -> torch.Tensor:
+    """The two grouped GEMMs and the sum over k of pairs laid out by `_group_by_expert`,
+    weights [T*k] float32."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, num_pairs, block_n = two_inter // 2, num_tokens * top_k, config["BLOCK_N"]
     # tl.dot takes float32 as tf32 by default; ieee keeps float32 runs faithful.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)  # row per pair

@@ -18,6 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tidal.layers.activation import SiluAndMul
+
+NORM_GEMV_MAX_K = 16384  # `fused.norm_gemv` holds the normed row in registers
 
 _split = (0, 1)  # (rank, ranks) that layers being built take their slice for
 
@@ -67,6 +70,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return fused.gemv(x, weight)
     return F.linear(x, weight)
+
+
+def norm_product(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, layer: "Linear",
+                 gated: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(product, normed, stream) of the residual stream before a norm and the product after
+    it: stream = x + residual (x when residual is None: x is the embedding), normed =
+    norm(stream) (an `RMSNorm`), product = layer(normed), SiluAndMul'd when `gated` (layer a
+    fused [gate | up]). `layer` is a column or replicated layer (its input whole on every
+    rank). For one token on CUDA the three are one kernel (`fused.norm_gemv`): at batch 1
+    the norm before each product was a launch of its own."""
+    if one_token_on_cuda(x) and (residual is None or one_token_on_cuda(residual)) and x.shape[1] <= NORM_GEMV_MAX_K:
+        from tidal.layers import fused
+
+        return fused.norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, gated)
+    normed, stream = (norm(x), x) if residual is None else norm(x, residual)
+    product = layer(normed)
+    return SiluAndMul()(product) if gated else product, normed, stream
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:

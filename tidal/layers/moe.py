@@ -1,10 +1,10 @@
 """Mixture-of-Experts MLP: a softmax top-k router over experts that are SwiGLU MLPs.
 
 The experts' weights are stacked, gate|up [E, 2I, H] and down [E, H, I], so that on CUDA one
-fused kernel runs every expert a step routes to (`fused_moe`: two launches, CUDA-graph
-capturable); elsewhere `experts_reference` loops over the experts hit, the
-kernel's oracle. Checkpoints store experts one by one (Qwen3-MoE's gate/up/down_proj,
-Mixtral's w1/w3/w2) or stacked as transformers 5 holds them; both load. Under tensor
+fused kernel runs every expert a step routes to (`fused_moe`: two GEMM launches, CUDA-graph
+capturable, with the routing and grouping before them); elsewhere `experts_reference` loops
+over the experts hit, the kernel's oracle. Checkpoints store experts one by one (Qwen3-MoE's
+gate/up/down_proj, Mixtral's w1/w3/w2) or stacked as transformers 5 holds them; both load. Under tensor
 parallelism each expert is split as a dense MLP is (gate/up by rows, down by columns) and the
 partial sums are all-reduced.
 """
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tidal.layers.linear import Linear, copy_checked, split_size, tp_rank_size
+from tidal.layers.linear import Linear, copy_checked, norm_product, split_size, tp_rank_size
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -83,13 +83,6 @@ class Experts(nn.Module):
             _check_shape(loaded, (param.shape[1], self.full_width))
             copy_checked(param.data[shard_id], loaded.narrow(1, self.tp_rank * width, width))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from tidal.layers.fused_moe import fused_moe
-
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return experts_reference(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-
 
 def _check_shape(loaded: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(loaded.shape) != tuple(shape):
@@ -110,7 +103,7 @@ class SparseMoE(nn.Module):
         self.tp_size = tp_rank_size()[1]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] float32, expert ids [T, k]) for tokens x [T, H]."""
+        """(weights [T, k] float32, expert ids [T, k]) for normed tokens x [T, H]."""
         logits = self.gate(x)
         if logits.is_cuda:
             from tidal.layers.fused_moe import route
@@ -118,8 +111,20 @@ class SparseMoE(nn.Module):
             return route(logits, self.top_k, self.norm_topk_prob)
         return route_reference(logits, self.top_k, self.norm_topk_prob)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.experts(x, *self.route(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MoE(norm(x + residual)), x + residual). The norm rides in the router's product
+        (`norm_product`), which hands the normed tokens on to the experts; on CUDA the
+        routing, the grouping by expert and the experts run from the router's logits
+        (`fused_moe.routed_moe`)."""
+        logits, normed, stream = norm_product(norm, x, residual, self.gate)
+        w13, w2 = self.experts.gate_up_proj, self.experts.down_proj
+        if logits.is_cuda:
+            from tidal.layers.fused_moe import routed_moe
+
+            y = routed_moe(normed, logits, w13, w2, self.top_k, self.norm_topk_prob)
+        else:
+            y = experts_reference(normed, w13, w2, *route_reference(logits, self.top_k, self.norm_topk_prob))
         if self.tp_size > 1:
             dist.all_reduce(y)
-        return y
+        return y, stream

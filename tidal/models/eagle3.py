@@ -120,8 +120,8 @@ class Eagle3Head(nn.Module):
         self.input_layernorm(self.embed_tokens(input_ids), out=x[:, :size])  # [embed | hidden], normed in place
         self.hidden_norm(hidden, out=x[:, size:])
         x = self.self_attn(x, self.rotary, batch, kv_cache)
-        x, residual = self.post_attention_layernorm(x, hidden)
-        return self.norm(self.mlp(x), residual)
+        x, residual = self.mlp(x, hidden, self.post_attention_layernorm)
+        return self.norm(x, residual)
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, Vd] in float32, from `forward`'s normed states."""

@@ -5,7 +5,8 @@ place of the MLP, in the layers the config names).
 Tokens of all requests run flat ([T, H]); attention is delegated to an AttentionBackend
 that reads and writes the paged KV cache described by the ForwardBatch. The residual
 stream is carried separately from the normed activations so that every RMSNorm also does
-the residual add.
+the residual add, and each norm is handed to the product after it (`norm_product`), which
+for one token on CUDA runs the add, the norm and the product as one kernel.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from torch import nn
 
 from tidal.attention.base import AttentionBackend
 from tidal.batch import ForwardBatch
-from tidal.layers.activation import SiluAndMul
-from tidal.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, one_token_on_cuda
+from tidal.layers.linear import MergedColumnLinear, QKVLinear, RowLinear, VocabEmbedding, norm_product
 from tidal.layers.moe import SparseMoE
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
@@ -47,8 +47,14 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        return self.attend(self.qkv_proj(x), rotary, batch, kv_cache)
+
+    def attend(self, qkv: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch,
+               kv_cache: torch.Tensor) -> torch.Tensor:
+        """Attention and the o product from the q|k|v product [T, (Hq + 2 Hkv) D] (the decoder
+        layer computes it with its norm, `norm_product`)."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(num_tokens, -1, self.head_dim)
         k = k.view(num_tokens, -1, self.head_dim)
         v = v.view(num_tokens, -1, self.head_dim)
@@ -61,15 +67,14 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.act = SiluAndMul()
         self.down_proj = RowLinear(intermediate_size, hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_token_on_cuda(x):
-            from tidal.layers import fused  # the product and the SwiGLU in one kernel
-
-            return self.down_proj(fused.gemv(x, self.gate_up_proj.weight, gated=True))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP(norm(x + residual)), x + residual): the norm before the MLP rides in its
+        gate|up product (with the SwiGLU, for one token on CUDA: `norm_product`)."""
+        act, _, stream = norm_product(norm, x, residual, self.gate_up_proj, gated=True)
+        return self.down_proj(act), stream
 
 
 class DecoderLayer(nn.Module):
@@ -87,13 +92,9 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, residual, rotary, batch, kv_cache):
         """(hidden, residual) -> (hidden, residual); the stream after the layer is their sum.
         residual None means hidden is the raw embedding (first layer)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotary, batch, kv_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        qkv, _, residual = norm_product(self.input_layernorm, hidden, residual, self.self_attn.qkv_proj)
+        hidden = self.self_attn.attend(qkv, rotary, batch, kv_cache)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 # Checkpoint tensors fused into one of our parameters: our name -> [(checkpoint name, shard id)].
