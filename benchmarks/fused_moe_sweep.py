@@ -1,13 +1,15 @@
 """The kernels of a Qwen3-30B-A3B-shaped decode step alone (E = 128, k = 8, H = 2048, I = 768,
 bf16), by tokens in the step: the fused MoE's grouped GEMMs with the tiles `_config` picks
 and with others, the router's torch ops against its one kernel, and `fused.gemv` (batch 1's
-products) at the attention's and router's shapes with other tiles, beside cuBLAS. Each
+products) at the attention's and router's shapes with other tiles, beside cuBLAS; the norm
+fused into the one-token product (`fused.norm_gemv`, by tiles) against the norm and `gemv`
+as two launches; routing and grouping in one program against `route` and the grouping. Each
 variant runs over 8 layers of distinct weights in one CUDA graph, so weights come from HBM
 as in a model's step, not from L2; times are per layer. Against them, the floor: the bytes
 read at the copy bandwidth (`moe_gpu.copy_bandwidth`). Checks each variant against the torch reference first. Prints
 tables; writes JSON to $OUT/fused_moe_sweep.json.
 
-    PYTHONPATH=. python benchmarks/fused_moe_sweep.py
+    PYTHONPATH=. python benchmarks/fused_moe_sweep.py [--sections norm_gemv route_group]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 from moe_gpu import copy_bandwidth
 from tidal.layers import fused
-from tidal.layers.fused_moe import _config, fused_moe, route
+from tidal.layers.fused_moe import _config, _group_by_expert, _route_and_group, fused_moe, route
 from tidal.layers.moe import experts_reference, route_reference
 
 LAYERS = 8
@@ -110,14 +112,83 @@ def gemv_rows(bandwidth, gen) -> list[dict]:
     return rows
 
 
+# fused.norm_gemv at the products that follow a norm at batch 1: (N, K, gated).
+NORM_GEMV_SHAPES = {"moe qkv": (5120, 2048, False), "moe router": (128, 2048, False),
+                    "8B qkv": (6144, 4096, False), "8B gate_up": (14336, 4096, True)}
+NORM_GEMV_TILES = ((1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16))
+
+
+def norm_gemv_rows(bandwidth, gen) -> list[dict]:
+    """The residual add, RMSNorm and product of one token: `fused.rms_norm` then `fused.gemv`
+    (two launches, as before the fusion) against `fused.norm_gemv` by (rows, warps)."""
+    rows = []
+    for shape_name, (n, k, gated) in NORM_GEMV_SHAPES.items():
+        ws = [torch.randn(2 * n if gated else n, k, device="cuda", dtype=torch.bfloat16, generator=gen) / k**0.5
+              for _ in range(LAYERS)]
+        x, res = (torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        norm_w = 1 + torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=gen) / 4
+        normed, _ = fused.rms_norm(x, norm_w, 1e-6, res)
+        ref = F.linear(normed, ws[0])
+        ref = fused.silu_and_mul(ref).float() if gated else ref.float()
+        row = {"shape": shape_name, "n": n, "k": k, "gated": gated,
+               "floor_us": ws[0].numel() * 2 / bandwidth * 1e6,
+               "default_tiles": fused.norm_gemv_tiles(n, k, gated),
+               "two_launches_us": graph_us(lambda: [fused.gemv(fused.rms_norm(x, norm_w, 1e-6, res)[0], w, gated)
+                                                   for w in ws]),
+               "tiles": {}}
+        for tiles in NORM_GEMV_TILES:
+            got = fused.norm_gemv(x, res, norm_w, 1e-6, ws[0], None, gated, tiles)
+            diff = (got[0].float() - ref).abs().max().item()
+            us = graph_us(lambda: [fused.norm_gemv(x, res, norm_w, 1e-6, w, None, gated, tiles) for w in ws])
+            row["tiles"][f"{tiles[0]}r w{tiles[1]}"] = {"us": us, "diff": diff}
+        rows.append(row)
+        print(row, flush=True)
+        del ws
+    return rows
+
+
+def route_group_rows(tokens_list, gen) -> list[dict]:
+    """Routing and grouping at E = 128, k = 8: `route` then `_group_by_expert` (two launches,
+    or three past one chunk) against `_route_and_group` (one program), where it applies."""
+    experts, top_k, rows = 128, 8, []
+    for tokens in tokens_list:
+        logits = [torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16, generator=gen)
+                  for _ in range(LAYERS)]
+        block_m = _config(tokens, top_k, experts, torch.bfloat16)["BLOCK_M"]
+
+        def two(lg):
+            weights, ids = route(lg, top_k, True)
+            return weights, ids, *_group_by_expert(ids, experts, block_m)
+
+        row = {"tokens": tokens, "two_us": graph_us(lambda: [two(lg) for lg in logits])}
+        if tokens * top_k <= 64:
+            a, b = two(logits[0]), _route_and_group(logits[0], top_k, True, experts, block_m)
+            used = int((a[3] < experts).sum()) * block_m
+            row["same_layout"] = bool(torch.equal(a[1].reshape(-1), b[1]) and torch.equal(a[3], b[3])
+                                      and torch.equal(a[2][:used], b[2][:used]))
+            row["weights_diff"] = (a[0].reshape(-1) - b[0]).abs().max().item()
+            row["one_us"] = graph_us(lambda: [_route_and_group(lg, top_k, True, experts, block_m) for lg in logits])
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    ap.add_argument("--sections", nargs="*", default=["moe", "gemv", "norm_gemv", "route_group"])
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     bandwidth = copy_bandwidth("cuda")
-    result = {"copy_bytes_per_s": bandwidth, "moe": moe_rows(args.tokens, bandwidth, gen),
-              "gemv": gemv_rows(bandwidth, gen)}
+    result = {"copy_bytes_per_s": bandwidth, "moe": [], "gemv": [], "norm_gemv": [], "route_group": []}
+    if "moe" in args.sections:
+        result["moe"] = moe_rows(args.tokens, bandwidth, gen)
+    if "gemv" in args.sections:
+        result["gemv"] = gemv_rows(bandwidth, gen)
+    if "norm_gemv" in args.sections:
+        result["norm_gemv"] = norm_gemv_rows(bandwidth, gen)
+    if "route_group" in args.sections:
+        result["route_group"] = route_group_rows(args.tokens, gen)
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     (out / "fused_moe_sweep.json").write_text(json.dumps(result, indent=1))
@@ -130,9 +201,20 @@ def main():
     for r in result["gemv"]:
         tiles = ", ".join(f"{name} {t['us']:.1f}" for name, t in r["tiles"].items())
         print(f"{r['shape']:<10} floor {r['floor_us']:.1f}  cuBLAS {r['cublas_us']:.1f}  {tiles}")
+    print("\nnorm + one-token product per layer, us: floor, rms_norm + gemv, fused.norm_gemv by (rows, warps)")
+    for r in result["norm_gemv"]:
+        tiles = ", ".join(f"{name} {t['us']:.1f}" for name, t in r["tiles"].items())
+        print(f"{r['shape']:<10} floor {r['floor_us']:.1f}  two launches {r['two_launches_us']:.1f}  "
+              f"(default {r['default_tiles']})  {tiles}  max diff "
+              f"{max(t['diff'] for t in r['tiles'].values()):.3g}")
+    print("\nroute + grouping per layer, us: two kernels, one program (same layout, weights diff)")
+    for r in result["route_group"]:
+        print(f"T={r['tokens']:<3} {r['two_us']:.1f}  {r.get('one_us', float('nan')):.1f}  "
+              f"({r.get('same_layout')}, {r.get('weights_diff')})")
     diffs = [t["diff"] for r in result["moe"] for t in r["tiles"].values()]
-    print("fused MoE max abs diff vs reference:", max(diffs), " router ids equal (ties aside):",
-          [r["route_ids_equal"] for r in result["moe"]])
+    if diffs:
+        print("fused MoE max abs diff vs reference:", max(diffs), " router ids equal (ties aside):",
+              [r["route_ids_equal"] for r in result["moe"]])
 
 
 if __name__ == "__main__":

@@ -84,8 +84,8 @@ def check_correctness(device: str, tmp: Path, results: dict) -> None:
             del llm
             free_memory()
     if device == "cuda":  # the kernel at the real shape, bf16, against the reference
-        from tidal.layers.fused_moe import fused_moe
-        from tidal.layers.moe import experts_reference
+        from tidal.layers.fused_moe import fused_moe, routed_moe
+        from tidal.layers.moe import experts_reference, route_reference
 
         s = QWEN3_30B_A3B
         g = torch.Generator(device).manual_seed(0)
@@ -97,6 +97,10 @@ def check_correctness(device: str, tmp: Path, results: dict) -> None:
             weights, ids = torch.softmax(torch.randn(t, e, device=device, generator=g), -1).topk(k)
             diff = (fused_moe(x, w13, w2, weights, ids).float() - experts_reference(x, w13, w2, weights, ids).float())
             results["correctness"][f"fused_moe vs reference, bf16, T={t}: max |diff|"] = float(diff.abs().max())
+            logits = torch.randn(t, e, device=device, generator=g, dtype=torch.bfloat16)
+            want = experts_reference(x, w13, w2, *route_reference(logits, k, True)).float()
+            diff = routed_moe(x, logits, w13, w2, k, True).float() - want
+            results["correctness"][f"routed_moe vs reference, bf16, T={t}: max |diff|"] = float(diff.abs().max())
 
 
 def copy_bandwidth(device: str) -> float:
