@@ -32,14 +32,15 @@ def test_tree_shape_and_walk():
     drafts = torch.tensor([[10, 11, 20, 21, 30]])
     # The target's token at each query index: at the root 11 (node 2), at node 2 30 (node 5), at node 5 99.
     targets = torch.tensor([[11, 0, 30, 0, 0, 99]])
-    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([5]))
+    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([5]), depth)
     assert lens.tolist() == [3] and path[0, :3].tolist() == [0, 2, 5] and tokens[0, :3].tolist() == [11, 30, 99]
     # Only the first 4 nodes are valid: node 5 is not there, so the walk stops at node 2.
-    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([4]))
+    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([4]), depth)
     assert lens.tolist() == [2] and tokens[0, :2].tolist() == [11, 30]
     # A chain is a tree: node r + 1 hangs from node r.
     chain = torch.tensor([[0, 1, 2]])
-    tokens, lens, _ = accept_tree(torch.tensor([[5, 6, 8, 9]]), torch.tensor([[5, 6, 7]]), chain, torch.tensor([3]))
+    tokens, lens, _ = accept_tree(torch.tensor([[5, 6, 8, 9]]), torch.tensor([[5, 6, 7]]), chain, torch.tensor([3]),
+                                  tree_shape(chain)[0])
     assert lens.tolist() == [3] and tokens[0, :3].tolist() == [5, 6, 8]
 
 
@@ -155,7 +156,7 @@ def _accept_first_children(logits, tokens, ks, st, counters, parents=None):
         for q in range(w):
             kids = [c for c in range(1, int(ks[i]) + 1) if int(parents[i, c - 1]) == q]
             first[i, q] = tokens[i, kids[0] - 1] if kids else targets[i, q]
-    return accept_tree(first, tokens, parents, ks)
+    return accept_tree(first, tokens, parents, ks, tree_shape(parents)[0])
 
 
 def test_bad_tree_configs(models):

@@ -335,7 +335,8 @@ def test_a_tree_node_sees_what_its_path_laid_out_causally_sees(dtype):
 
 def test_start_up_builds_the_tree_variants_too(monkeypatch):
     """The first forward of a geometry at start-up, without trees, runs every configuration
-    without and with them (an engine may meet no tree before it serves), once."""
+    once; in an engine that drafts trees, without and with them (it may meet no tree before
+    it serves)."""
     import tidal.attention.triton_attn as triton_attn
 
     class OnDevice:  # q as _build_every_variant sees it on a GPU
@@ -348,8 +349,11 @@ def test_start_up_builds_the_tree_variants_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(triton_attn, "paged_attention",
                         lambda q, cache, batch, scale, config: ran.append((config, batch.tree_mask is not None)))
-    backend, cache = TritonAttention(), torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
-    backend._build_every_variant(OnDevice(), cache)
-    backend._build_every_variant(OnDevice(), cache)
     configs = every_config(8, 2, 64, torch.bfloat16)
-    assert ran == [(config, tree) for tree in (False, True) for config in configs]
+    for trees in (False, True):
+        ran.clear()
+        backend, cache = TritonAttention(), torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+        backend.trees = trees
+        backend._build_every_variant(OnDevice(), cache)
+        backend._build_every_variant(OnDevice(), cache)
+        assert ran == [(config, tree) for tree in (False, True)[:1 + trees] for config in configs]

@@ -110,13 +110,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.page_size = config.page_size
         self.attn = get_backend(config.attention_backend or ("triton" if self.device.type == "cuda" else "torch"))
+        self.attn.trees = self.tree_drafts
         with tensor_parallel(rank, size):
             self.model = load_model(config.model, self.dtype, self.device, self.attn, config.load_format)
         self.kv_heads = heads_per_rank(model_config.num_heads, model_config.num_kv_heads, size)[1]
         if rank == 0 and tp:
             tp.wait_ready()  # the other ranks built their slices meanwhile
         self.num_pages = 0
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_stack: torch.Tensor | None = None   # every layer's KV cache (`allocate_kv`)
+        self.kv_caches: list[torch.Tensor] = []     # its layers
         self.aux_layer_ids: tuple[int, ...] = ()    # set by an EAGLE-3 proposer before allocation
         self.aux_cache: torch.Tensor | None = None  # target hidden states per KV slot, for EAGLE-3
         self.graphs: CudaGraphs | None = None        # decode and verification steps
@@ -165,11 +167,12 @@ class ModelRunner:
     def allocate_cache(self, num_pages: int) -> None:
         """Allocate the page pool's tensors (a smaller one before, for the start-up
         measurements, is given back first)."""
-        self.kv_caches, self.aux_cache = [], None
+        self.kv_stack, self.kv_caches, self.aux_cache = None, [], None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.num_pages = num_pages
-        self.kv_caches = self.allocate_kv(self.model_config, num_pages, self.kv_heads)
+        self.kv_stack = self.allocate_kv(self.model_config, num_pages, self.kv_heads)
+        self.kv_caches = list(self.kv_stack.unbind(0))  # per layer
         aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
         if aux_width:
             self.model.aux_layer_ids = self.aux_layer_ids
@@ -230,9 +233,11 @@ class ModelRunner:
         (default all: a drafter, which is whole)."""
         return 2 * mc.num_layers * self.page_size * (kv_heads or mc.num_kv_heads) * mc.head_dim * self.dtype.itemsize
 
-    def allocate_kv(self, mc: ModelConfig, num_pages: int, kv_heads: int | None = None) -> list[torch.Tensor]:
-        shape = (2, num_pages, self.page_size, kv_heads or mc.num_kv_heads, mc.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(mc.num_layers)]
+    def allocate_kv(self, mc: ModelConfig, num_pages: int, kv_heads: int | None = None) -> torch.Tensor:
+        """Every layer's KV cache in one tensor [layers, 2, num_pages, page_size, kv heads,
+        head_dim], so that a tree's accepted KV moves in every layer at once (`_keep_accepted`)."""
+        shape = (mc.num_layers, 2, num_pages, self.page_size, kv_heads or mc.num_kv_heads, mc.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, drafts: Drafts | None = None, ahead: Ahead | None = None) -> PendingStep:
@@ -386,9 +391,8 @@ class ModelRunner:
         keep = torch.arange(slots.shape[1], device=slots.device)[None, :] < step.accepted[:, None]
         src = torch.where(keep, slots.gather(1, step.path), slots).view(-1)
         dst = slots.view(-1)
-        for cache in self.kv_caches:
-            flat = cache.view(2, -1, *cache.shape[3:])
-            flat[:, dst] = flat[:, src]
+        layers = self.kv_stack.flatten(2, 3)  # [layers, 2, slots, kv heads, head_dim]
+        layers[:, :, dst] = layers[:, :, src]
         if self.aux_cache is not None:
             self.aux_cache[dst] = self.aux_cache[src]
 

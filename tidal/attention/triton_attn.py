@@ -135,10 +135,8 @@ def _attend_block(
 
 # Runtime ints that change from step to step (split count, page-table width, token count
 # in scratch strides) are not specialised on: each new value class would compile another
-# kernel in the middle of a user's step. Nor is the tree inputs' alignment: they come from
-# several buffers (a stand-in's without trees), and feed one small load per row.
-@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"],
-            do_not_specialize_on_alignment=["tree_mask_ptr", "tree_start_ptr"])
+# kernel in the middle of a user's step.
+@triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"])
 def _attention_kernel(
     q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     tree_mask_ptr, tree_start_ptr, qk_scale, num_splits,
@@ -394,6 +392,7 @@ class TritonAttention:
 
     def __init__(self):
         self.built: set[tuple] = set()  # geometries whose every kernel variant is built
+        self.trees = False  # the engine drafts trees: build their variants too
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -411,17 +410,16 @@ class TritonAttention:
         with every configuration `choose_config` can pick, without and with trees of drafts:
         each is then built before any user's step needs it. Which tile a step takes depends
         on its query lengths and batch, so a variant first met while serving would be built
-        inside that step. The tree variants are built even when no forward of start-up has
-        a tree: the drafter's tree steps run eagerly, and the start-up steps that draft one
-        (the memory plan, the cost profile) are skipped with num_pages given and a cached
-        profile."""
+        inside that step. An engine that drafts trees (`trees`) builds the tree variants too,
+        whether or not a forward of its start-up has a tree: the memory plan and the cost
+        profile, which draft one, are skipped with num_pages given and a cached profile."""
         geometry = (q.shape[1], *kv_cache.shape[2:], q.dtype)
         if not q.is_cuda or geometry in self.built or torch.cuda.is_current_stream_capturing():
             return
         self.built.add(geometry)
         batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], kv_cache.shape[2], q.device)
         one = torch.zeros_like(q[:1])
-        for tree in (False, True):
+        for tree in (False, True) if self.trees else (False,):
             if tree:
                 batch.tree_mask = torch.full((1,), -1, dtype=torch.int64, device=q.device)
                 batch.tree_start = torch.zeros(1, dtype=torch.int32, device=q.device)

@@ -31,7 +31,7 @@ class DraftModelProposer(ChainDrafter):
         return self.runner.kv_bytes_per_page(self.config)
 
     def allocate_cache(self) -> None:
-        self.kv_caches = self.runner.allocate_kv(self.config, self.runner.num_pages)
+        self.kv_caches = list(self.runner.allocate_kv(self.config, self.runner.num_pages).unbind(0))
 
     def catch_up(self, reqs, starts, ends):
         return [r.token_ids[s:e] + [0] * max(e - r.num_tokens, 0) for r, s, e in zip(reqs, starts, ends)], None

@@ -14,14 +14,18 @@ import torch
 def tree_shape(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depth and ancestors of every query token of trees parents [B, N]: depth [B, 1 + N]
     (the root's 0) and ancestors [B, 1 + N] int64, bit j set where query token j is the
-    token itself or one of its ancestors (the attention mask of `ForwardBatch.tree_mask`)."""
+    token itself or one of its ancestors (the attention mask of `ForwardBatch.tree_mask`).
+    By pointer jumping: each round adds what the token's current ancestor has gathered and
+    jumps twice as far, so a tree of any shape takes log2(1 + N) rounds of a few kernels."""
     b, n = parents.shape
-    depth = torch.zeros(b, 1 + n, dtype=torch.int64, device=parents.device)
-    ancestors = torch.ones(b, 1 + n, dtype=torch.int64, device=parents.device)
-    for r in range(n):
-        parent = parents[:, r:r + 1]
-        depth[:, r + 1:r + 2] = depth.gather(1, parent) + 1
-        ancestors[:, r + 1:r + 2] = ancestors.gather(1, parent) | (1 << (r + 1))
+    up = torch.cat([parents.new_zeros(b, 1), parents], 1)  # the root is its own parent
+    index = torch.arange(1 + n, device=parents.device)
+    depth = (index > 0).to(torch.int64).expand(b, 1 + n)
+    ancestors = (1 << index).expand(b, 1 + n)
+    for _ in range(n.bit_length()):
+        depth = depth + depth.gather(1, up)
+        ancestors = ancestors | ancestors.gather(1, up)
+        up = up.gather(1, up)
     return depth, ancestors
 
 
@@ -31,30 +35,33 @@ def children(parents: torch.Tensor, lens: torch.Tensor, width: int) -> torch.Ten
     return (parents[:, None, :] == torch.arange(width, device=parents.device)[None, :, None]) & valid[:, None, :]
 
 
-def accept_tree(targets: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor,
-                lens: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_tree(targets: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, lens: torch.Tensor,
+                depth: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk each tree from its root: at a node, the target's own token there (`targets`
     [B, W], its draw or argmax at each query token) is committed, and the walk goes on into
     the child drafted as that token, if there is one. drafts [B, W - 1] and parents are the
-    nodes (row i's first lens[i] valid). Siblings are distinct tokens, so at most one child
-    matches. Returns token_ids [B, W] (the targets along the path), accept_lens [B] (the
-    path's nodes plus one) and path [B, W] (the query index at each depth; the root's 0,
-    entries past the path repeat its end). With `chosen` [B, W, N] (simulated acceptance),
-    the child the walk takes at each query token is the one chosen there, whatever its token,
-    and the drafts along the path are committed."""
+    nodes (row i's first lens[i] valid), depth [B, W] their depths (`tree_shape`). Siblings
+    are distinct tokens, so at most one child matches, and the nodes whose every ancestor
+    matched form the path. Returns token_ids [B, W] (the targets along the path),
+    accept_lens [B] (the path's nodes plus one) and path [B, W] (the query index at each
+    depth; the root's 0, and 0 past the path). With `chosen` [B, W, N] (simulated
+    acceptance), the child taken at each query token is the one chosen there, whatever its
+    token, and the drafts along the path are committed."""
     b, w = targets.shape
-    device = targets.device
-    # child[i, q]: the node drafted as the target's token at query token q (0: none).
-    matches = children(parents, lens, w) & (drafts[:, None, :] == targets[:, :, None] if chosen is None else chosen)
-    child = torch.where(matches.any(-1), matches.to(torch.int64).argmax(-1) + 1, 0)
-    if chosen is not None:
-        targets = torch.where(child > 0, drafts.gather(1, (child - 1).clamp(min=0)), targets)
-    path = torch.zeros(b, w, dtype=torch.int64, device=device)
-    for depth in range(1, w):
-        step = child.gather(1, path[:, depth - 1:depth])
-        path[:, depth:depth + 1] = torch.where(step > 0, step, path[:, depth - 1:depth])
-    accept_lens = 1 + (path[:, 1:] != path[:, :-1]).sum(1)
-    return targets.gather(1, path), accept_lens, path
+    valid = torch.arange(1, w, device=targets.device)[None, :] <= lens[:, None]
+    up = torch.cat([parents.new_zeros(b, 1), parents], 1)
+    if chosen is None:
+        taken = drafts == targets.gather(1, parents)  # each node is its parent's target token
+    else:
+        taken = chosen.any(1)  # (chosen[i, q, c] only where q is c's parent)
+        targets = torch.where(chosen.any(-1), drafts.gather(1, chosen.to(torch.int64).argmax(-1)), targets)
+    on_path = torch.cat([valid.new_ones(b, 1), taken & valid], 1)
+    for _ in range((w - 1).bit_length()):  # a node is on the path if all its ancestors are
+        on_path = on_path & on_path.gather(1, up)
+        up = up.gather(1, up)
+    nodes = torch.arange(w, device=targets.device).expand(b, w)
+    path = torch.zeros_like(nodes).scatter_(1, torch.where(on_path, depth, 0), torch.where(on_path, nodes, 0))
+    return targets.gather(1, path), on_path.sum(1), path
 
 
 def simulated_choice(parents: torch.Tensor, lens: torch.Tensor, depth: torch.Tensor, rates: torch.Tensor,

@@ -65,7 +65,7 @@ def verify(
         if st.simulated is not None:  # its last column is the sibling factor
             u = hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + positions, STREAM_ACCEPT)
             chosen = simulated_choice(parents, draft_lens, positions, st.simulated[:, :-1], st.simulated[:, -1:], u)
-        return accept_tree(targets, draft_tokens, parents, draft_lens, chosen)
+        return accept_tree(targets, draft_tokens, parents, draft_lens, positions, chosen)
     u = None
     if st.simulated is not None:
         u = hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT) \
