@@ -6,10 +6,12 @@ import pytest
 import torch
 
 import tidal.runner
+import tidal.speculative.proposer
 from stats import homogeneity_pvalue
 from test_spec import (ALPHA, NEW_TOKENS, RandomPolicy, continuation_counts, greedy, models, plain,  # noqa: F401
                        repetitive_prompts, run)
 from tidal import LLM, SamplingParams
+from tidal.graphs import CudaGraphs
 from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
 from tidal.speculative.verify import verify as real_verify
 
@@ -89,6 +91,61 @@ def test_trees_drafted_ahead_of_a_step_in_flight_change_no_output(models, plain,
     assert run(llm, repetitive_prompts(), greedy())[0] == plain
     assert run(llm, repetitive_prompts(), params)[0] == seeded
     assert any(behind_trees), "want trees drafted behind a step with drafts"
+
+
+class ReplayedOnTheCpu(CudaGraphs):
+    """CudaGraphs whose graphs, on the CPU, run their forward again at each replay, on the
+    same input buffers and into the same output tensors: what a replay reads and returns,
+    and its padding, without CUDA."""
+
+    def capture(self, pool=None):
+        self.replays = 0
+        for w in self.widths:
+            for b in self.buckets:
+                batch = self.view(b, w)
+                state = None if self.state is None else self.state[:b * w]
+                self.graphs[(b, w)] = (_Rerun(self, batch, state), batch, self.forward(batch, state))
+        return pool
+
+
+class _Rerun:
+    def __init__(self, graphs, batch, state):
+        self.graphs, self.batch, self.state = graphs, batch, state
+
+    def replay(self):
+        self.graphs.replays += 1
+        out = self.graphs.graphs[(self.batch.num_seqs, self.batch.max_query_len)][2]
+        new = self.graphs.forward(self.batch, self.state)
+        for kept, fresh in zip(*((out, new) if isinstance(new, tuple) else ((out,), (new,)))):
+            if kept is not None:
+                kept.copy_(fresh)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_trees_grown_inside_graphs_are_the_eager_ones(models, plain, method, monkeypatch):
+    """A tree's growth replays as one graph (its rows padded to the graph's bucket: padding
+    rows grow nothing and store nowhere), planned after a commit and ahead of a step in
+    flight: the drafts are those grown eagerly (the same tokens accepted), and greedy and
+    seeded outputs are the plain ones."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
+    seeded = run(LLM(model=models["target"], page_size=4), repetitive_prompts(), params)[0]
+    for async_scheduling in (False, True):
+        accepted = []
+        for graphs in (False, True):
+            llm = LLM(model=models["target"], page_size=4, max_num_seqs=8, async_scheduling=async_scheduling,
+                      speculative_config=tree_config(models, method, 3, 3, 8))
+            proposer = llm.engine.core.speculation.proposer
+            if graphs:
+                monkeypatch.setattr(tidal.speculative.proposer, "CudaGraphs", ReplayedOnTheCpu)
+                proposer.capture_graphs()
+            llm.engine.core.scheduler.policy = RandomPolicy(seed=4)
+            assert run(llm, repetitive_prompts(), greedy())[0] == plain
+            assert run(llm, repetitive_prompts(), params)[0] == seeded
+            spec = llm.engine.stats()["spec"]
+            accepted.append((spec["num_drafted"], spec["num_accepted"]))
+        assert accepted[0] == accepted[1], accepted
+        assert sum(g.replays for sets in proposer.draft_graphs.values() for g in sets) > 0
 
 
 def test_trees_beat_chains_on_accepted_length(models):

@@ -27,18 +27,20 @@ class CudaGraphs:
     def __init__(self, forward: Callable[[ForwardBatch, torch.Tensor | None], object], page_size: int,
                  max_model_len: int, max_batch: int, max_width: int, device: torch.device,
                  state_width: int = 0, state_dtype: torch.dtype | None = None, per_row: bool = False,
-                 inputs_of: "CudaGraphs | None" = None, trees: bool = False):
+                 inputs_of: "CudaGraphs | None" = None, trees: bool = False, group: int = 1):
         """forward(batch, state) runs the model; its outputs are per token, or per request
         when `per_row` (e.g. a drafter's logits at each request's last token). With
         `inputs_of`, the graphs read that set's input buffers (so one `load` serves both).
         With `trees`, the batches carry tree inputs (`ForwardBatch.tree_mask`), which every
-        `load` resets to none and a step with trees then sets."""
+        `load` resets to none and a step with trees then sets. Requests that come `group`
+        to a request of the step (a drafter's fed nodes of a tree) fill buckets of
+        multiples of `group`."""
         self.forward = forward
         self.page_size = page_size
         self.max_model_len = max_model_len
         self.device = device
         self.per_row = per_row
-        self.buckets = [b for b in BATCH_BUCKETS if b < max_batch] + [max_batch]
+        self.buckets = [group * b for b in BATCH_BUCKETS if group * b < max_batch] + [max_batch]
         self.widths = list(range(1, max_width + 1))
         max_tokens = max_batch * max_width
         if inputs_of is not None:
@@ -53,8 +55,11 @@ class CudaGraphs:
                                           device=device)
             self.state = (torch.zeros(max_tokens, state_width, dtype=state_dtype, device=device)
                           if state_width else None)
-        self.tree_mask = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if trees else None
-        self.tree_start = torch.zeros(max_batch, dtype=torch.int32, device=device) if trees else None
+        if inputs_of is not None:
+            self.tree_mask, self.tree_start = inputs_of.tree_mask, inputs_of.tree_start
+        else:
+            self.tree_mask = torch.full((max_tokens,), -1, dtype=torch.int64, device=device) if trees else None
+            self.tree_start = torch.zeros(max_batch, dtype=torch.int32, device=device) if trees else None
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, ForwardBatch, object]] = {}
 
     def view(self, b: int, w: int) -> ForwardBatch:

@@ -22,7 +22,7 @@ from tidal.speculative.proposer import ChainDrafter
 class Eagle3Proposer(ChainDrafter):
     def __init__(self, model_dir: str, runner, target_config: ModelConfig, topk: int = 1, depth: int = 0):
         self.config = Eagle3Config.from_pretrained(model_dir, target_config)
-        super().__init__(runner, target_config.vocab_size, topk, depth)
+        super().__init__(runner, target_config.vocab_size, topk, depth, self.config.draft_vocab_size)
         self.head = load_eagle3(model_dir, runner.model, runner.dtype, runner.device, runner.attn,
                                runner.config.load_format, runner.config.model)
         self.draft_ids = self.head.draft_to_target(torch.arange(self.config.draft_vocab_size, device=runner.device))

@@ -62,9 +62,9 @@ class ChainDrafter(ABC):
 
     drafts_ahead = True
 
-    def __init__(self, runner, vocab_size: int, topk: int = 1, depth: int = 0):
+    def __init__(self, runner, vocab_size: int, topk: int = 1, depth: int = 0, draft_vocab_size: int | None = None):
         self.runner = runner          # the target's ModelRunner (device, page size, pages)
-        self.vocab_size = vocab_size  # the target's vocabulary
+        self.vocab_size = vocab_size  # the target's vocabulary (and the drafter's, unless given)
         # Trees (topk > 1, `_propose_tree`): tokens per expanded node, and draft steps deep.
         self.topk, self.depth = topk, depth
         self.absorb_tokens = runner.config.max_num_batched_tokens  # most tokens a forward absorbs (`_absorb`)
@@ -81,9 +81,20 @@ class ChainDrafter(ABC):
         self.seeds = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         self.counters = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
         self.draft_ids: torch.Tensor | None = None  # target id of each drafter id (None: the same)
-        # By whether any row samples: the catch-up's graphs, and [s - 1] those of s chained draft steps.
+        # By whether any row samples: the catch-up's graphs, and [s - 1] those of s chained
+        # draft steps (chains) or [s] those of trees grown s draft steps deep (`_grow`).
         self.catch_up_graphs: dict[bool, CudaGraphs] = {}
         self.draft_graphs: dict[bool, list[CudaGraphs]] = {}
+        if topk > 1:
+            # Per row of a tree proposal, what `_grow` reads in place: the key index of its
+            # first scratch slot, how deep and wide it grows, its catch-up's logits, and its
+            # simulated acceptance (benchmarks: the rate per depth, then the sibling factor,
+            # -1 without).
+            self.tree_base = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+            self.tree_depths = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+            self.tree_widths = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+            self.tree_logits = torch.zeros(max_seqs, draft_vocab_size or vocab_size, device=runner.device)
+            self.tree_simulated = torch.full((max_seqs, depth + 1), -1.0, device=runner.device)
 
     @abstractmethod
     def catch_up(self, reqs, starts: list[int], ends: list[int]) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -134,9 +145,14 @@ class ChainDrafter(ABC):
 
             fused.build_argmax_variants(len(self.draft_ids), runner.device, self.draft_ids)
         torch.cuda.synchronize(runner.device)
-        if runner.config.enforce_eager:
-            return
-        k = runner.max_draft_len
+        if not runner.config.enforce_eager:
+            self.capture_graphs()
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """The catch-up's graphs and those of the draft steps after it (chained, or a tree's
+        growth), greedy and sampled."""
+        k = self.runner.max_draft_len
         # One memory pool for all; one set of inputs for the catch-ups, one for the chains.
         pool = catch_up_inputs = chain_inputs = None
         for sampled in (False, True):
@@ -145,21 +161,30 @@ class ChainDrafter(ABC):
             pool = catch_up.capture(pool)
             self.catch_up_graphs[sampled] = catch_up
             catch_up_inputs = catch_up_inputs or catch_up
-            # Graphs of s chained draft steps, s = 1 .. K - 1: one replay drafts to K.
+            # Graphs of s chained draft steps, s = 1 .. K - 1: one replay drafts to K. Trees:
+            # graphs of trees grown s = 0 .. depth - 1 steps deep, each a row per fed node.
             chains: list[CudaGraphs] = []
-            for steps in range(k - 1, 0, -1):  # longest first: the others reuse its memory
-                graphs = self._graphs(lambda batch, state, s=steps, sampled=sampled:
-                                      self._draft_steps(batch, state, s, sampled), 1, False, chain_inputs)
+            for steps in (range(self.depth - 1, -1, -1) if self.topk > 1 else range(k - 1, 0, -1)):
+                # longest first: the others reuse its memory
+                if self.topk > 1:
+                    graphs = self._graphs(lambda batch, state, s=steps, sampled=sampled:
+                                          self._grow(batch, state, s, sampled), 1, False, chain_inputs, self.topk)
+                else:
+                    graphs = self._graphs(lambda batch, state, s=steps, sampled=sampled:
+                                          self._draft_steps(batch, state, s, sampled), 1, False, chain_inputs)
                 pool = graphs.capture(pool)
                 chain_inputs = chain_inputs or graphs
                 chains.insert(0, graphs)
             self.draft_graphs[sampled] = chains
 
-    def _graphs(self, forward, width: int, catching_up: bool, inputs_of: CudaGraphs | None = None) -> CudaGraphs:
+    def _graphs(self, forward, width: int, catching_up: bool, inputs_of: CudaGraphs | None = None,
+                group: int = 1) -> CudaGraphs:
+        """Graphs of the drafter's forwards, a row per request (`group` rows per request: a
+        tree's fed nodes, each a one-token row)."""
         runner = self.runner
-        return CudaGraphs(forward, runner.page_size, runner.max_model_len, runner.config.max_num_seqs, width,
+        return CudaGraphs(forward, runner.page_size, runner.max_model_len, runner.config.max_num_seqs * group, width,
                           runner.device, self.state_width(catching_up), runner.dtype, per_row=True,
-                          inputs_of=inputs_of)
+                          inputs_of=inputs_of, trees=group > 1, group=group)
 
     def _catch_up(self, batch: ForwardBatch, state: torch.Tensor | None, sampled: bool):
         """The catch-up forward, writing each row's draft 1 to `drafted`."""
@@ -324,82 +349,149 @@ class ChainDrafter(ABC):
     # -- trees -----------------------------------------------------------------------------
 
     def _propose_tree(self, plan: StepPlan, rows: list[int], st, pending: list[int], ahead: Ahead | None) -> Drafts:
-        """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them:
-        each draft step feeds the `topk` best nodes of the depth before (by their cumulative
-        draft log-probability) and gives each its `topk` likeliest tokens; the K_i best of all
-        the nodes grown are verified. A row of K_i nodes grows min(topk, K_i) wide and so deep
+        """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them
+        (`_grow`) after the catch-up. A row of K_i nodes grows min(topk, K_i) wide and so deep
         that the nodes it feeds fit in its K_i reserved slots: the drafter keeps their KV
         there, past the row's root, for the step (the target's KV for the tree goes to the
-        same slots, in its own tensors). A sampled row ranks each node's tokens by the race
-        its target draw runs (`_children`), so that its first child is the one `_pick` draws.
+        same slots, in its own tensors). The growth reads its inputs from the `tree_*`
+        buffers and replays as one graph where one fits: the host sets them and replays.
         Planned ahead of a step in flight, the catch-up and the draft steps are moved back on
         the device as a chain's are (`pending`, `Ahead`)."""
         runner = self.runner
-        device = runner.device
+        device, width = runner.device, self.topk
         reqs = [plan.requests[i] for i in rows]
         ks = [plan.draft_lens[i] for i in rows]
-        sampled = not st.all_greedy
+        b, sampled = len(reqs), not st.all_greedy
+        rows_t = to_device(rows, torch.int64, device) if b < len(plan.requests) else None
         rejected = None
         if ahead and ahead.rejected is not None:
-            rejected = ahead.rejected if len(rows) == len(plan.requests) else \
-                ahead.rejected[to_device(rows, torch.int64, device)]
+            rejected = ahead.rejected if rows_t is None else ahead.rejected[rows_t]
         if sampled:
             counters = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)]], torch.int64,
                                        device)[0]
-            self.temperature[:len(reqs)].copy_(st.temperature)
-            self.seeds[:len(reqs)].copy_(st.seeds)
-            self.counters[:len(reqs)].copy_(counters if rejected is None else counters - rejected)
+            self.temperature[:b].copy_(st.temperature)
+            self.seeds[:b].copy_(st.seeds)
+            self.counters[:b].copy_(counters if rejected is None else counters - rejected)
         starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
         ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
         starts, absorbing = self._absorb(reqs, starts, ends)
         feeds, state = self.catch_up(reqs, starts, ends)
         input_ids = None
         if ahead:
-            source = ahead.tokens if len(rows) == len(plan.requests) else \
-                ahead.tokens[to_device(rows, torch.int64, device)]
-            input_ids = with_device_tails(feeds, pending, source)
+            input_ids = with_device_tails(feeds, pending, ahead.tokens if rows_t is None else ahead.tokens[rows_t])
         logits, state = self._run(feeds, starts, [r.pages for r in reqs], state, input_ids, rejected, sampled)
         for r, n in zip(reqs, pending):
             r.num_absorbed = self.catch_up_end(r, n)  # the tree's drafter KV is scratch
-        widths = [min(self.topk, k) for k in ks]
+        # The growth's inputs. Every entry of the row buffers is written: a graph's padding
+        # rows find depth 0, so they grow nothing and store nowhere.
+        widths = [min(width, k) for k in ks]
         depths = [min(self.depth, 1 + k // w) for k, w in zip(ks, widths)]
-        width, b = max(widths), len(reqs)
+        bases = [self.next_position(r, 1, n) for r, n in zip(reqs, pending)]
+        padding = [0] * (len(self.tree_base) - b)
+        base_t, depths_t, widths_t = to_device_parts([bases + padding, depths + padding, widths + padding],
+                                                     torch.int64, device)
+        self.tree_base.copy_(base_t)
+        if rejected is not None:
+            self.tree_base[:b].sub_(rejected)
+        self.tree_depths.copy_(depths_t)
+        self.tree_widths.copy_(widths_t)
+        if st.simulated is not None:
+            self.tree_simulated[:b].copy_(st.simulated)
+        else:
+            self.tree_simulated[:b, -1] = -1
+        self.tree_logits[:b].copy_(logits)
+        steps = max(depths) - 1
+        node_rows = ([[0]] * (b * width), [p for p in bases for _ in range(width)],
+                     [r.pages for r in reqs for _ in range(width)])
+        if state is not None:
+            state = state.repeat_interleave(width, 0)
+        graphs = self.draft_graphs.get(sampled)
+        if graphs and graphs[steps].fits(b * width, 1):
+            key = graphs[steps].load(*node_rows, 1, state)
+            (tokens, parents), _ = graphs[steps].replay(key, b * width, b)  # per tree, not per fed node
+        else:
+            batch = ForwardBatch.build(*node_rows, runner.page_size, device)
+            batch.max_seq_len = max(bases) + steps * width + 1
+            batch.tree_mask = torch.empty(b * width, dtype=torch.int64, device=device)
+            batch.tree_start = torch.empty(b * width, dtype=torch.int32, device=device)
+            tokens, parents = self._grow(batch, state, steps, sampled)
+        most = max(ks)
+        tokens, parents = tokens[:, :most], parents[:, :most]
+        lens = [0] * len(plan.requests)
+        for i, k in zip(rows, ks):
+            lens[i] = k
+        if rows_t is not None:
+            tokens = tokens.new_zeros(len(plan.requests), most).index_copy_(0, rows_t, tokens)
+            parents = parents.new_zeros(len(plan.requests), most).index_copy_(0, rows_t, parents)
+        return Drafts(tokens, lens, absorbing, parents)
+
+    def _grow(self, batch: ForwardBatch, state: torch.Tensor | None, steps: int, sampled: bool):
+        """Grow each row's tree `steps` draft steps deep from its catch-up's logits, on the
+        device alone (so it replays as a graph): each step feeds the `topk` best nodes of the
+        depth before (by cumulative draft log-probability), each as a one-token row of
+        `batch`, and gives each its `topk` likeliest tokens (`_children`); the best
+        `max_draft_len` of all the nodes grown are returned, best first: tokens [rows, M] and
+        parents [rows, M] (query indices, 0: the root). A child never scores above its
+        parent and comes after it among the nodes grown, so the best M of a tree are a tree.
+        Rows past their depth grow nothing; `state` (a row per fed node) is updated in place."""
+        width, device = self.topk, batch.input_ids.device
+        b = batch.num_seqs // width
+        fed = torch.arange(width, device=device)
         # Every node grown, depth by depth: its token, cumulative draft log-probability and
-        # parent (its index among the nodes; -1: the root). The nodes fed at the next step
-        # (`front`) carry their scratch slots' mask.
-        score, token = self._children(logits, b, 0, width, sampled, st.simulated)
-        narrow = torch.arange(width, device=device)[None, :] >= to_device(widths, torch.int64, device)[:, None]
-        tokens, scores = [token], [score.masked_fill(narrow, float("-inf"))]
+        # parent (its index among the nodes; -1: the root). The nodes fed next (`front`)
+        # carry their scratch slots' mask.
+        score, token = self._children(self.tree_logits[:b], b, 0, sampled)
+        tokens, scores = [token], [score.masked_fill(fed >= self.tree_widths[:b, None], float("-inf"))]
         parents = [torch.full((b, width), -1, dtype=torch.int64, device=device)]
-        front = torch.arange(width, device=device).expand(b, width)
-        front_mask = 1 << front
-        front_token, front_state = token, None if state is None else state.repeat_interleave(width, 0)
+        front = fed.expand(b, width)
+        front_mask, front_token = 1 << front, token
         grown = width
-        for d in range(1, max(depths)):
-            live = [d < depth for depth in depths]
-            logits, out = self._tree_step(reqs, pending, rejected, d, width, live, widths, front_token, front_mask,
-                                          front_state)
-            score, token = self._children(logits, b, d, width, sampled, st.simulated)  # [b * width, width]
+        for d in range(1, steps + 1):
+            live = d < self.tree_depths[:b]
+            self._place(batch, d, live, front_token, front_mask)
+            logits, out = self.forward(batch, state)
+            score, token = self._children(logits, b, d, sampled)  # [b * width, width]
             score = (torch.cat(scores, 1).gather(1, front).reshape(-1, 1) + score).view(b, width * width)
-            score = score.masked_fill(~to_device(live, torch.bool, device)[:, None], float("-inf"))
+            score = score.masked_fill(~live[:, None], float("-inf"))
             tokens.append(token.view(b, width * width))
             scores.append(score)
             parents.append(front.repeat_interleave(width, 1))
             best = score.topk(width, dim=1).indices  # the next step's fed nodes, among these
-            fed = best // width
             front = grown + best
-            front_mask = front_mask.gather(1, fed) | (1 << (d * width + torch.arange(width, device=device)))
+            front_mask = front_mask.gather(1, best // width) | (1 << (d * width + fed))
             front_token = tokens[-1].gather(1, best)
             if out is not None:
-                front_state = out.view(b, width, -1).gather(1, fed[:, :, None].expand(-1, -1, out.shape[-1]))
-                front_state = front_state.reshape(b * width, -1)
+                state.copy_(out.view(b, width, -1).gather(1, (best // width)[:, :, None].expand(-1, -1, out.shape[-1]))
+                            .view(b * width, -1))
             grown += width * width
-        return self._best_nodes(plan, rows, ks, torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1),
-                                absorbing)
+        tokens, scores, parents = torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+        m = min(self.runner.max_draft_len, scores.shape[1])
+        best = scores.argsort(dim=1, descending=True, stable=True)[:, :m]
+        rank = torch.full_like(parents, -1).scatter_(1, best, torch.arange(m, device=device).expand(b, m).contiguous())
+        parent = parents.gather(1, best)
+        return tokens.gather(1, best), torch.where(parent >= 0, rank.gather(1, parent.clamp(min=0)) + 1, 0)
 
-    def _children(self, logits: torch.Tensor, rows: int, d: int, width: int, sampled: bool,
-                  simulated: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each fed node's `width` best next tokens (target ids), and the log of how likely
+    def _place(self, batch: ForwardBatch, d: int, live: torch.Tensor, tokens: torch.Tensor, masks: torch.Tensor):
+        """Set `batch` for draft step d of the trees: row i's fed node f (tokens, masks [b,
+        width]) at draft position d's position, stored in scratch slot `base + (d - 1) *
+        width + f` past the row's root, seeing the context and its ancestors' slots only
+        (masks: bit j = slot base + j). A node that does not grow (its row not `live`, or
+        past its width) stores nowhere."""
+        width, ps = self.topk, self.runner.page_size
+        b = len(live)
+        base = self.tree_base[:b, None]
+        stored = live[:, None] & (torch.arange(width, device=live.device) < self.tree_widths[:b, None])
+        index = torch.where(stored, base + (d - 1) * width + torch.arange(width, device=live.device), base).view(-1)
+        page = batch.page_table.gather(1, (index // ps)[:, None])[:, 0]
+        batch.input_ids.copy_(tokens.reshape(-1))
+        batch.positions.copy_((base + d - 1).expand(b, width).reshape(-1))
+        batch.seq_lens.copy_(index + 1)
+        batch.slot_mapping.copy_(torch.where(stored.view(-1), page * ps + index % ps, -1))
+        batch.tree_mask.copy_(masks.reshape(-1))
+        batch.tree_start.copy_(base.expand(b, width).reshape(-1))
+
+    def _children(self, logits: torch.Tensor, rows: int, d: int, sampled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each fed node's `topk` best next tokens (target ids), and the log of how likely
         each is to be the target's token there. A greedy row's are the drafter's likeliest,
         at their draft probabilities (the target takes its argmax). A sampled row's are the
         first in the race its target draw at depth d + 1 runs (the noise of output index
@@ -409,9 +501,9 @@ class ChainDrafter(ABC):
         Under simulated acceptance (benchmarks; `verify`) the odds are the simulation's, so
         the tree has the shape a drafter that knew them would grow. logits [rows * group,
         V_draft], a row's fed nodes together."""
+        group = logits.shape[0] // rows
         keys = torch.log_softmax(logits.float(), dim=-1)
         if sampled:
-            group = logits.shape[0] // rows
             temperature = self.temperature[:rows].repeat_interleave(group)
             hot = temperature > 0
             noise = hash_uniform_vocab(self.seeds[:rows].repeat_interleave(group),
@@ -419,69 +511,11 @@ class ChainDrafter(ABC):
                                        self.vocab_size, self.draft_ids)
             race = logits.float() / torch.where(hot, temperature, 1.0)[:, None] - torch.log(-torch.log(noise))
             keys = torch.where(hot[:, None], torch.log_softmax(race, dim=-1), keys)
-        best = keys.topk(width, dim=-1)
+        best = keys.topk(self.topk, dim=-1)
         ids = best.indices if self.draft_ids is None else self.draft_ids[best.indices]
-        odds = best.values
-        if simulated is not None:
-            group = logits.shape[0] // rows
-            rate = simulated[:, min(d, simulated.shape[1] - 2)].repeat_interleave(group)
-            odds = torch.log(rate[:, None] * simulated[:, -1].repeat_interleave(group)[:, None]
-                             ** torch.arange(width, device=logits.device))
+        simulated = self.tree_simulated[:rows].repeat_interleave(group, 0)
+        sibling = simulated[:, -1:]
+        odds = torch.where(sibling >= 0, torch.log(simulated[:, min(d, simulated.shape[1] - 2), None]
+                                                   * sibling ** torch.arange(self.topk, device=logits.device)),
+                           best.values)
         return odds.clamp(min=-1e4), ids
-
-    def _tree_step(self, reqs, pending: list[int], rejected: torch.Tensor | None, d: int, width: int,
-                   live: list[bool], widths: list[int], tokens: torch.Tensor, masks: torch.Tensor,
-                   state: torch.Tensor | None):
-        """One draft step of the trees: row i's fed nodes f = 0 .. width - 1 (tokens, masks [b,
-        width]) each as a one-token row of the batch, at draft position d's position, stored
-        in scratch slot `base + (d - 1) * width + f` past the row's root (`next_position`),
-        seeing the context and its ancestors' slots only (masks: bit j = slot base + j). A
-        node that does not grow (its row done, or past its width) stores nowhere. Rows are
-        moved back by the drafts a step in flight `rejected`."""
-        runner = self.runner
-        ps, device = runner.page_size, runner.device
-        index, positions, pages, starts, stores = [], [], [], [], []
-        for r, n, grows, w in zip(reqs, pending, live, widths):
-            base = self.next_position(r, 1, n)
-            for f in range(width):
-                stored = grows and f < w
-                index.append(base + (d - 1) * width + f if stored else base)
-                positions.append(self.next_position(r, d, n))
-                pages.append(r.pages)
-                starts.append(base)
-                stores.append(stored)
-        batch = ForwardBatch.build([[0]] * len(index), index, pages, ps, device)
-        index_t, positions_t, starts_t, stores_t = to_device_parts([index, positions, starts, stores], torch.int64,
-                                                                   device)
-        if rejected is not None:
-            back = rejected.repeat_interleave(width)
-            index_t, positions_t, starts_t = index_t - back, positions_t - back, starts_t - back
-            batch.seq_lens.copy_(index_t + 1)
-            page = batch.page_table.gather(1, (index_t // ps)[:, None])[:, 0]
-            batch.slot_mapping.copy_(page * ps + index_t % ps)
-        batch.input_ids.copy_(tokens.reshape(-1))
-        batch.positions.copy_(positions_t)
-        batch.slot_mapping.copy_(torch.where(stores_t > 0, batch.slot_mapping, -1))
-        batch.tree_mask, batch.tree_start = masks.reshape(-1), starts_t.to(torch.int32)
-        return self.forward(batch, state)
-
-    def _best_nodes(self, plan: StepPlan, rows: list[int], ks: list[int], tokens: torch.Tensor, scores: torch.Tensor,
-                    parents: torch.Tensor, absorbing: Span | None) -> Drafts:
-        """Row i's K_i best nodes by cumulative draft log-probability, best first, with their
-        parents as query indices (0: the root). A child never scores above its parent and
-        comes after it among the nodes grown, so the best K of a tree are a tree."""
-        device, b, most = self.runner.device, len(rows), max(ks)
-        best = scores.argsort(dim=1, descending=True, stable=True)[:, :most]
-        rank = torch.full_like(scores, -1, dtype=torch.int64).scatter_(
-            1, best, torch.arange(most, device=device).expand(b, most).contiguous())
-        parent = parents.gather(1, best)
-        parent = torch.where(parent >= 0, rank.gather(1, parent.clamp(min=0)) + 1, 0)
-        tokens = tokens.gather(1, best)
-        lens = [0] * len(plan.requests)
-        for i, k in zip(rows, ks):
-            lens[i] = k
-        if b < len(plan.requests):
-            index = to_device(rows, torch.int64, device)
-            tokens = tokens.new_zeros(len(plan.requests), most).index_copy_(0, index, tokens)
-            parent = parent.new_zeros(len(plan.requests), most).index_copy_(0, index, parent)
-        return Drafts(tokens, lens, absorbing, parent)
