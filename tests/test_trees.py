@@ -11,6 +11,7 @@ from stats import homogeneity_pvalue
 from test_spec import (ALPHA, NEW_TOKENS, RandomPolicy, continuation_counts, greedy, models, plain,  # noqa: F401
                        repetitive_prompts, run)
 from tidal import LLM, SamplingParams
+from tidal.config import SpecConfig
 from tidal.graphs import CudaGraphs
 from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
 from tidal.speculative.verify import verify as real_verify
@@ -256,3 +257,20 @@ def test_simulated_acceptance_with_trees(models):
         run(llm, repetitive_prompts(), greedy(40))
         spec = llm.engine.stats()["spec"]
         assert spec["num_drafted"] > 0 and check(spec), spec
+
+
+def test_a_tree_is_priced_by_its_depth_and_its_nodes(models):
+    """A tree of K nodes costs the drafter a pass per level it grows (`draft_depth`) and the
+    target K verified tokens: goodput's start-up profile, which verifies trees, keeps both,
+    so that a wider tree of the same depth adds only its tokens' price."""
+    chain = SpecConfig(method="draft_model", model=models["draft_model"], num_speculative_tokens=4)
+    assert [chain.draft_depth(k) for k in range(5)] == [0, 1, 2, 3, 4]
+    config = tree_config(models, "draft_model", 5, 4, 16, policy="goodput", profile_seconds=1.0)
+    spec = SpecConfig.from_dict(config)
+    passes = [0, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5]
+    assert [spec.draft_depth(k) for k in range(17)] == passes
+    llm = LLM(model=models["target"], page_size=4, max_num_seqs=8, speculative_config=config)
+    cost = llm.engine.core.scheduler.policy.cost
+    assert cost.draft_passes.tolist() == passes
+    drafting = [float(cost.step_time(1, k, k, 1, 0.0) - cost.step_time(1, k, k, 0, 0.0)) for k in (4, 7, 8, 16)]
+    assert drafting[0] == pytest.approx(drafting[1]) and drafting[1] < drafting[2] < drafting[3]

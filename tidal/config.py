@@ -217,6 +217,14 @@ class SpecConfig:
         """The most tokens a request verifies beyond its own: a chain's length, or a tree's nodes."""
         return self.num_draft_tokens
 
+    def draft_depth(self, k: int) -> int:
+        """Drafter passes (the catch-up's, then one per draft step) of a request drafting k:
+        k for a chain. A tree of k nodes grows min(topk, k) wide, as deep as its fed nodes
+        fit in its k slots, and no deeper than k (its best k nodes could not reach further)."""
+        if k <= 0:
+            return 0
+        return min(self.num_speculative_tokens, k, 1 + k // min(self.topk, k))
+
     @staticmethod
     def from_dict(d: dict | str | "SpecConfig" | None) -> "SpecConfig | None":
         """From a dict of its fields, or that dict as a JSON text (as on the command line)."""

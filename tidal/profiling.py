@@ -198,6 +198,7 @@ def cost_key(runner, proposer) -> dict:
             "tensor_parallel_size": config.tensor_parallel_size,
             "long_context": long_context(runner, config.max_num_seqs, runner.max_draft_len, runner.max_model_len),
             "max_num_batched_tokens": config.max_num_batched_tokens, "k": runner.max_draft_len,
+            "topk": config.speculative_config.topk, "depth": config.speculative_config.num_speculative_tokens,
             "seconds": config.speculative_config.profile_seconds}
 
 
@@ -216,8 +217,9 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
     def run_target(b, w, context=ctx):
         plan = dummy_plan(b, context, w - 1, runner)
         drafts = None
-        if w > 1:
-            drafts = Drafts(random_tokens(runner, (b, w - 1)).to(runner.device), [w - 1] * b)
+        if w > 1:  # (an engine that drafts trees verifies a chain as a tree: its walk and KV move)
+            parents = torch.arange(w - 1, device=runner.device).expand(b, w - 1) if runner.tree_drafts else None
+            drafts = Drafts(random_tokens(runner, (b, w - 1)).to(runner.device), [w - 1] * b, parents=parents)
         return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 
     def run_proposer(b, k, backlog=1):
@@ -264,11 +266,13 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
     measured = int(np.isfinite(grid).sum() + np.isfinite(drafts).sum())
     grid = monotone(fill_by_tokens(grid, batch_sizes, widths))
     drafts = monotone(fill_by_tokens(drafts, batch_sizes, draft_ks))
+    # The drafter's price: a fixed part and one per pass (a tree's passes follow its depth).
+    passes = [runner.config.speculative_config.draft_depth(k) for k in range(max_draft_len + 1)]
     first, last = drafts[:, 0], drafts[:, -1]
-    step = (last - first) / (draft_ks[-1] - 1) if len(draft_ks) > 1 else first
-    step = np.maximum(step, 0.0)
+    span = passes[draft_ks[-1]] - passes[1]
+    step = np.maximum((last - first) / span if span else first, 0.0)
     fixed = np.maximum(first - step, 0.0)
     return CostModel(batch_sizes, widths, grid, padded=getattr(runner, "graphs", None) is not None,
                      context_ref=ctx, context_cost=context_cost, draft_fixed=fixed, draft_step=step,
-                     catch_up_fixed=catch_up_fixed, catch_up_token=catch_up_token,
+                     draft_passes=passes, catch_up_fixed=catch_up_fixed, catch_up_token=catch_up_token,
                      source=f"profile: {measured} shapes in {time.perf_counter() - start:.2f} s")

@@ -69,7 +69,7 @@ def bracket(x: float, points: np.ndarray) -> tuple[int, int, float]:
 class CostModel:
     def __init__(self, batch_sizes, widths, grid=None, *, padded: bool = False, context_ref: float = 0.0,
                  context_cost: float = 0.0, draft_fixed=None, draft_step=None, catch_up_fixed: float = 0.0,
-                 catch_up_token: float = 0.0, correct_online: bool = True, rate: float = 0.05,
+                 catch_up_token: float = 0.0, draft_passes=None, correct_online: bool = True, rate: float = 0.05,
                  level_rate: float = 0.25, cell_step: float = 0.2, source: str = "given"):
         self.batch_sizes = np.asarray(batch_sizes, dtype=float)
         self.widths = np.asarray(widths, dtype=float)
@@ -97,6 +97,9 @@ class CostModel:
         zeros = np.zeros(len(self.batch_sizes))
         self.draft_fixed = zeros if draft_fixed is None else np.asarray(draft_fixed, dtype=float)
         self.draft_step = zeros if draft_step is None else np.asarray(draft_step, dtype=float)
+        # Drafter passes of a request drafting K, per K (`SpecConfig.draft_depth`; None: K,
+        # a chain's): a tree's drafting is priced by its depth, its verification by its nodes.
+        self.draft_passes = None if draft_passes is None else np.asarray(draft_passes, dtype=float)
         self.catch_up_fixed = catch_up_fixed
         self.catch_up_token = catch_up_token
         self.catch_up_scale = np.ones(1)  # observed / profiled catch-up time
@@ -117,6 +120,7 @@ class CostModel:
         return {"batch_sizes": self.batch_sizes.tolist(), "widths": self.widths.tolist(), "grid": self.grid.tolist(),
                 "padded": self.padded, "context_ref": self.context_ref, "context_cost": self.context_cost,
                 "draft_fixed": self.draft_fixed.tolist(), "draft_step": self.draft_step.tolist(),
+                "draft_passes": None if self.draft_passes is None else self.draft_passes.tolist(),
                 "catch_up_fixed": self.catch_up_fixed, "catch_up_token": self.catch_up_token, "source": self.source}
 
     @classmethod
@@ -153,8 +157,10 @@ class CostModel:
             target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill))
                               + fixed, target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
+        passes = max_draft if self.draft_passes is None else \
+            self.draft_passes[np.clip(max_draft.astype(int), 0, len(self.draft_passes) - 1)]
         drafting = (np.interp(num_drafting, self.batch_sizes, self.draft_fixed)
-                    + max_draft * np.interp(num_drafting, self.batch_sizes, self.draft_step))
+                    + passes * np.interp(num_drafting, self.batch_sizes, self.draft_step))
         drafting = np.where(np.asarray(num_drafting) > 0, drafting, 0.0)
         return np.maximum(target + attention + drafting + self.catch_up_time(catch_up), 1e-6)
 

@@ -526,7 +526,8 @@ def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int =
     elif spec.policy == "table":
         policy = Table(spec.table)
     else:
-        policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online"), k,
+        policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online",
+                                                 draft_passes=[spec.draft_depth(n) for n in range(k + 1)]), k,
                          token_budget=max_num_batched_tokens, pool=pool, demand=demand)
         policy.acceptance.marginal = spec.topk > 1
     policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None

@@ -351,8 +351,8 @@ class ChainDrafter(ABC):
     def _propose_tree(self, plan: StepPlan, rows: list[int], st, pending: list[int], ahead: Ahead | None) -> Drafts:
         """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them
         (`_grow`) after the catch-up. A row of K_i nodes grows min(topk, K_i) wide and so deep
-        that the nodes it feeds fit in its K_i reserved slots: the drafter keeps their KV
-        there, past the row's root, for the step (the target's KV for the tree goes to the
+        that the nodes it feeds fit in its K_i reserved slots (`SpecConfig.draft_depth`): the
+        drafter keeps their KV there, past the row's root, for the step (the target's KV for the tree goes to the
         same slots, in its own tensors). The growth reads its inputs from the `tree_*`
         buffers and replays as one graph where one fits: the host sets them and replays.
         Planned ahead of a step in flight, the catch-up and the draft steps are moved back on
@@ -385,7 +385,7 @@ class ChainDrafter(ABC):
         # The growth's inputs. Every entry of the row buffers is written: a graph's padding
         # rows find depth 0, so they grow nothing and store nowhere.
         widths = [min(width, k) for k in ks]
-        depths = [min(self.depth, 1 + k // w) for k, w in zip(ks, widths)]
+        depths = [runner.config.speculative_config.draft_depth(k) for k in ks]
         bases = [self.next_position(r, 1, n) for r, n in zip(reqs, pending)]
         padding = [0] * (len(self.tree_base) - b)
         base_t, depths_t, widths_t = to_device_parts([bases + padding, depths + padding, widths + padding],
