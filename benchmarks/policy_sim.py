@@ -2,12 +2,15 @@
 
     PYTHONPATH=. python benchmarks/policy_sim.py --acceptance '{"mean": 0.6, "std": 0.25}' --concurrency 1,8,32,128
     PYTHONPATH=. python benchmarks/policy_sim.py --acceptance '[0.9, 0.75, 0.6, 0.45]' --output-len 512
+    PYTHONPATH=. python benchmarks/policy_sim.py --acceptance '{"mean": 0.7, "sibling": 0.3}' \
+        --topk 4 --depth 5 --k 16 --modes none,fixed:4,fixed:8,fixed:16,goodput
 
 Each of c clients sends its next request as soon as the last one ends. A step's seconds
 come from a cost function that stands in for the device (`h200_8b`: a Llama-3.1-8B with an
 EAGLE-3 head on one H200, fitted by eye to the decision logs of runs 82, 95 and 96), and
 drafts are accepted
-as `SimulatedAcceptance` says (per position, per request). The policy is the engine's own
+as `SimulatedAcceptance` says (per position, per request; with `--topk` > 1, per depth and
+sibling rank, over the tree the drafter grows with those odds, `grow_tree`). The policy is the engine's own
 (`tidal.speculative.policy`), fed plans and results as the scheduler feeds it; its profile is the
 cost function's decode steps, and its online corrections learn the rest. So a figure says
 whether the policy chooses right when its prices can be right, and what it learns of
@@ -26,13 +29,15 @@ Writes --json if given.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import random
 
 import numpy as np
 import torch
 
-from tidal.config import SamplingParams, SimulatedAcceptance
+from tidal.config import SamplingParams, SimulatedAcceptance, SpecConfig
 from tidal.request import Request, Status
 from tidal.speculative.acceptance import AcceptanceModel
 from tidal.speculative.cost_model import CostModel, grid_axes
@@ -43,11 +48,13 @@ from tidal.step import StepPlan, StepResult
 CATCH_UP_MS = (0.3, 0.001)  # a catch-up pass, and each token it absorbs (run96's spans)
 
 
-def h200_8b(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0):
+def h200_8b(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0, passes=None, topk=1):
     """Milliseconds of one step: the target's forward (a fixed cost, a share per row and per
     draft verified, a draft dearer in a larger batch, and at least 0.027 ms a token in all:
     compute-bound), the drafter's K passes over the `drafting` rows before it (each a little
-    dearer with more rows), 4 ms more for a step with prompt tokens (run82: 256 prompt tokens beside 31 decodes made
+    dearer with more rows; a tree's `passes` are its depth, each after the catch-up over
+    `topk` fed nodes a row, priced as a chain's pass over that many rows: an assumption, no
+    tree's drafting was timed in graphs on the GPU yet), 4 ms more for a step with prompt tokens (run82: 256 prompt tokens beside 31 decodes made
     a step of 11.8 ms, 512 beside 30 one of 19.5), and the drafter's catch-up over `catch_up`
     tokens it missed. Decode steps of runs 95-96 (medians of the logged steps with one K for
     every row, no prompt and no catch-up, all modes): 6.16 / 8.31 ms at 32 rows and
@@ -56,7 +63,8 @@ def h200_8b(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0):
     11.2, 18.4, 40.7)."""
     per_draft = min(0.022, 0.008 + 1e-4 * b)
     target = max(4.3 + 0.027 * b + per_draft * drafts, 0.027 * (b + drafts + prompt_tokens))
-    drafter = max_draft * (0.25 + 0.005 * drafting) if drafts else 0.0
+    passes = max_draft if passes is None else passes
+    drafter = (0.25 + 0.005 * drafting) + (passes - 1) * (0.25 + 0.005 * drafting * topk) if drafts else 0.0
     return target + drafter + (4.0 if prompt_tokens else 0.0) + catch_up_ms(catch_up)
 
 
@@ -64,15 +72,59 @@ def catch_up_ms(tokens: int) -> float:
     return CATCH_UP_MS[0] + CATCH_UP_MS[1] * tokens if tokens else 0.0
 
 
-def price_list(cost_ms, max_draft_len: int, max_num_seqs: int) -> CostModel:
+def price_list(cost_ms, spec: SpecConfig, max_num_seqs: int, draft_depth) -> CostModel:
     """The cost function as a start-up profile would measure it: the target's decode grid
-    and the drafter's steps (a step's K draft passes, priced per batch size); the engine's
-    online corrections then learn the rest (steps with prompt tokens)."""
-    batch_sizes, widths = grid_axes(max_num_seqs, max_draft_len)
+    and the drafter's proposals at K = 1 and the largest K, a fixed part and a price per
+    pass fitted through them (`tidal.profiling`); the engine's online corrections then
+    learn the rest (steps with prompt tokens)."""
+    k = spec.max_draft_len
+    batch_sizes, widths = grid_axes(max_num_seqs, k)
     grid = [[cost_ms(b, b * (w - 1), 0, 0) / 1e3 for w in widths] for b in batch_sizes]
-    draft_step = [(cost_ms(b, b, 1, b) - cost_ms(b, b, 0, 0)) / 1e3 for b in batch_sizes]
-    return CostModel(batch_sizes, widths, grid, draft_step=draft_step, catch_up_fixed=CATCH_UP_MS[0] / 1e3,
-                     catch_up_token=CATCH_UP_MS[1] / 1e3, source="simulated")
+    first, last = ([(cost_ms(b, b, n, b) - cost_ms(b, b, 0, 0)) / 1e3 for b in batch_sizes] for n in (1, k))
+    passes = [draft_depth(n) for n in range(k + 1)]
+    span = passes[k] - passes[1]
+    step = [(hi - lo) / span if span else lo for lo, hi in zip(first, last)]
+    return CostModel(batch_sizes, widths, grid, draft_fixed=[lo - s for lo, s in zip(first, step)], draft_step=step,
+                     draft_passes=passes, catch_up_fixed=CATCH_UP_MS[0] / 1e3, catch_up_token=CATCH_UP_MS[1] / 1e3,
+                     source="simulated")
+
+
+@functools.lru_cache(maxsize=None)
+def grow_tree(rates: tuple[float, ...], sibling: float, topk: int, levels: int, k: int) -> dict[tuple, int]:
+    """The best k nodes of the tree the drafter grows under simulated acceptance
+    (`ChainDrafter._grow` with `_children`'s simulated odds): levels min(topk, k) wide at
+    the root, then the topk best nodes of each level each given topk children; a node's
+    score is the sum of log(rate at its parent's depth x sibling^rank) down its path.
+    Returns {path of sibling ranks: query index}, best first from 1."""
+    def odds(depth, rank):
+        return max(math.log(max(rates[min(depth, len(rates) - 1)] * sibling ** rank, 1e-300)), -1e4)
+
+    level = [((r,), odds(0, r)) for r in range(min(topk, k))]
+    grown = list(level)
+    for depth in range(1, levels):
+        fed = sorted(level, key=lambda node: -node[1])[:topk]
+        level = [(path + (r,), score + odds(depth, r)) for path, score in fed for r in range(topk)]
+        grown += level
+    best = sorted(grown, key=lambda node: -node[1])[:k]
+    return {path: i + 1 for i, (path, _) in enumerate(best)}
+
+
+def walk_tree(tree: dict[tuple, int], rates, sibling: float, topk: int, rng) -> list[int]:
+    """Simulated acceptance's walk (`tree.simulated_choice`): at a node of depth m the target's
+    token is its r-th child with probability rates[m] x sibling^r; the walk goes on while that
+    child is in the tree. Returns the query indices of the accepted nodes."""
+    path, accepted = (), []
+    while True:
+        u, total, rank = rng.random(), 0.0, None
+        for r in range(topk):
+            total += rates[min(len(path), len(rates) - 1)] * sibling ** r
+            if u < total:
+                rank = r
+                break
+        if rank is None or path + (rank,) not in tree:
+            return accepted
+        path += (rank,)
+        accepted.append(tree[path])
 
 
 class Client:
@@ -85,7 +137,7 @@ class Client:
         req = Request(f"{self.index}-{self.sent}", None, list(range(self.args.input_len)),
                       SamplingParams(max_tokens=self.args.output_len, ignore_eos=True), seed, ())
         req.status = Status.RUNNING
-        return req, self.acceptance.rates(seed, self.args.k), self
+        return req, self.acceptance.rates(seed, self.args.rates_len), self
 
 
 class Told(AcceptanceModel):
@@ -129,10 +181,16 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             ks = policy.choose(reqs, [min(args.k, r.params.max_tokens - (r.num_tokens - r.num_prompt_tokens) - 1)
                                       for r in reqs], len(waiting))
         if isinstance(policy, Goodput) and reqs:
-            estimate = np.cumprod(policy.acceptance.estimates(policy.acceptance.rows(reqs)), axis=1)
+            estimate = policy.acceptance.gains(policy.acceptance.rows(reqs), args.k)
             want = sum(estimate[i, :k].sum() for i, k in enumerate(ks))
-        accepted = []
+        accepted, paths = [], []
         for k, (_, rates, _) in zip(ks, decoding):
+            if args.topk > 1:
+                nodes = walk_tree(grow_tree(tuple(rates), acceptance.sibling, args.topk, args.draft_depth(k), k),
+                                  rates, acceptance.sibling, args.topk, rng) if k else []
+                paths.append([0] + nodes + [0] * (args.k - len(nodes)))
+                accepted.append(len(nodes))
+                continue
             n = 0
             while n < k and rng.random() < rates[n]:
                 n += 1
@@ -155,7 +213,8 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             done = [req.num_computed + n == req.num_tokens for req, n in zip(fed, chunks)]
             plan = StepPlan(reqs + fed, [1] * len(reqs) + chunks, list(ks) + [0] * len(fed), ks.note)
             result = StepResult(torch.zeros(len(plan.requests), 1 + max(ks), dtype=torch.int64),
-                                torch.tensor([1 + n for n in accepted] + [int(d) for d in done]))
+                                torch.tensor([1 + n for n in accepted] + [int(d) for d in done]),
+                                paths=torch.tensor(paths + [[0] * (1 + args.k)] * len(fed)) if args.topk > 1 else None)
             policy.observe(plan, result, ms / 1e3, catch_up_ms(catch_up) / 1e3 if catch_up else None)
         made = 0
         for (req, _, client), n, k in zip(decoding, accepted, ks):
@@ -196,7 +255,12 @@ def main():
     p.add_argument("--concurrency", default="1,8,32,128,256")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (trees: num_draft_tokens)")
+    p.add_argument("--topk", type=int, default=1, help="trees of drafts, topk wide (1: chains)")
+    p.add_argument("--depth", type=int, help="a tree's num_speculative_tokens (default --k)")
+    p.add_argument("--nested-trees", action="store_true",
+                   help="grow a tree of K nodes min(depth, K) deep, so that it is the best K nodes of one "
+                        "tree (the engine grows it only as deep as its fed nodes fit in K slots)")
     p.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--modes", default="none,fixed:1,fixed:2,fixed:4,goodput,oracle")
     p.add_argument("--steps", type=int, default=3000)
@@ -211,8 +275,16 @@ def main():
     p.add_argument("--decision-log", help="append every policy's line per step here (as the engine's decision_log)")
     args = p.parse_args()
     log = open(args.decision_log, "a", buffering=1) if args.decision_log else None
-    args.cost = h200_8b
     acceptance = SimulatedAcceptance.parse(json.loads(args.acceptance))
+    if args.topk > 1 and "oracle" in args.modes.split(","):
+        p.error("--modes: oracle tells goodput a chain's rates; with --topk > 1 leave it out")
+    depth = args.depth or args.k
+    args.spec = SpecConfig("draft_model", depth, model="(simulated)", topk=args.topk, num_draft_tokens=args.k,
+                           simulate_acceptance=acceptance)
+    args.rates_len = depth if args.topk > 1 else args.k
+    args.draft_depth = (lambda k: min(depth, k)) if args.nested_trees else args.spec.draft_depth
+    args.cost = lambda b, drafts, max_draft, *rest: h200_8b(b, drafts, max_draft, *rest,
+                                                            passes=args.draft_depth(max_draft), topk=args.topk)
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         cell = {}
@@ -222,7 +294,8 @@ def main():
             elif mode.startswith("fixed:"):
                 policy = Fixed(int(mode.split(":")[1]))
             else:
-                policy = Goodput(price_list(args.cost, args.k, max(256, c)), args.k)
+                policy = Goodput(price_list(args.cost, args.spec, max(256, c), args.draft_depth), args.k)
+                policy.acceptance.marginal = args.topk > 1
                 if mode == "oracle":
                     policy.acceptance = Told(args.k)
             policy.log = log
@@ -239,7 +312,7 @@ def main():
         print(f"c={c:4d}  " + "  ".join(f"{m} {r['tokens_per_s']:7.0f}" for m, r in cell.items()) + extra, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "cost"}, "rows": rows}, f, indent=1)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("cost", "spec", "draft_depth")}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

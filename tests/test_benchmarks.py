@@ -134,6 +134,22 @@ def test_policy_sim_tool(tmp_path):
             assert rate["goodput"] >= 0.97 * rate["off" if rival == "none" else rival], (acceptance, c, rate)
 
 
+def test_policy_sim_tool_with_trees(tmp_path):
+    """Trees in the simulated closed loop: where every tree of K nodes is the best K of one tree
+    (`--nested-trees`), what goodput learns of each node's chance is what a larger tree buys, and
+    at one client it keeps within 3% of the largest tree."""
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks"))
+    out = tmp_path / "sim_trees.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_sim.py"),
+                           "--acceptance", '{"mean": 0.7, "sibling": 0.3}', "--topk", "4", "--depth", "5", "--k", "16",
+                           "--nested-trees", "--concurrency", "1", "--steps", "600", "--warmup", "100",
+                           "--modes", "fixed:16,goodput", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rate = {r["mode"]: r["tokens_per_s"] for r in json.loads(out.read_text())["rows"]}
+    assert rate["goodput"] >= 0.97 * rate["fixed:16"], rate
+
+
 def test_step_kinds_tool(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from step_kinds import summarize
