@@ -409,6 +409,7 @@ class ChainDrafter(ABC):
         if graphs and graphs[steps].fits(b * width, 1):
             key = graphs[steps].load(*node_rows, 1, state)
             (tokens, parents), _ = graphs[steps].replay(key, b * width, b)  # per tree, not per fed node
+            tokens, parents = tokens.clone(), parents.clone()  # (the next replay overwrites its outputs)
         else:
             batch = ForwardBatch.build(*node_rows, runner.page_size, device)
             batch.max_seq_len = max(bases) + steps * width + 1
