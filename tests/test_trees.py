@@ -12,6 +12,7 @@ from test_spec import (ALPHA, NEW_TOKENS, RandomPolicy, continuation_counts, gre
                        repetitive_prompts, run)
 from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
+from tidal.speculative.cost_model import CostModel, grid_axes
 from tidal.graphs import CudaGraphs
 from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
 from tidal.speculative.verify import verify as real_verify
@@ -126,11 +127,15 @@ class _Rerun:
 def test_trees_grown_inside_graphs_change_no_output(models, plain, method, monkeypatch):
     """A tree's growth replays as one graph (its rows padded to the graph's bucket: padding
     rows grow nothing and store nowhere), planned after a commit and ahead of a step in
-    flight: greedy and seeded outputs are the plain ones, and drafts are accepted."""
+    flight: greedy and seeded outputs are the plain ones, and the replayed drafts are as good
+    as eager ones. (Their accepted counts are equal run by run here, but one run in a full
+    suite once saw 47 accepted against 76: not explained, so the bound is loose; drafts
+    replayed wrongly, e.g. in reverse, are accepted under a tenth as often.)"""
     params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
               for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
     seeded = run(LLM(model=models["target"], page_size=4), repetitive_prompts(), params)[0]
     for async_scheduling in (False, True):
+        accepted = []
         for graphs in (False, True):
             llm = LLM(model=models["target"], page_size=4, max_num_seqs=8, async_scheduling=async_scheduling,
                       speculative_config=tree_config(models, method, 3, 3, 8))
@@ -141,7 +146,8 @@ def test_trees_grown_inside_graphs_change_no_output(models, plain, method, monke
             llm.engine.core.scheduler.policy = RandomPolicy(seed=4)
             assert run(llm, repetitive_prompts(), greedy())[0] == plain
             assert run(llm, repetitive_prompts(), params)[0] == seeded
-            assert llm.engine.stats()["spec"]["num_accepted"] > 0
+            accepted.append(llm.engine.stats()["spec"]["num_accepted"])
+        assert accepted[1] >= accepted[0] / 2 > 0, accepted
         assert sum(g.replays for sets in proposer.draft_graphs.values() for g in sets) > 0
 
 
@@ -257,8 +263,8 @@ def test_simulated_acceptance_with_trees(models):
 
 def test_a_tree_is_priced_by_its_depth_and_its_nodes(models):
     """A tree of K nodes costs the drafter a pass per level it grows (`draft_depth`) and the
-    target K verified tokens: goodput's start-up profile, which verifies trees, keeps both,
-    so that a wider tree of the same depth adds only its tokens' price."""
+    target K verified tokens: goodput's start-up profile (which verifies trees) keeps the
+    passes, and a wider tree of the same depth adds no drafting price."""
     chain = SpecConfig(method="draft_model", model=models["draft_model"], num_speculative_tokens=4)
     assert [chain.draft_depth(k) for k in range(5)] == [0, 1, 2, 3, 4]
     config = tree_config(models, "draft_model", 5, 4, 16, policy="goodput", profile_seconds=1.0)
@@ -266,7 +272,9 @@ def test_a_tree_is_priced_by_its_depth_and_its_nodes(models):
     passes = [0, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5]
     assert [spec.draft_depth(k) for k in range(17)] == passes
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=8, speculative_config=config)
-    cost = llm.engine.core.scheduler.policy.cost
-    assert cost.draft_passes.tolist() == passes
-    drafting = [float(cost.step_time(1, k, k, 1, 0.0) - cost.step_time(1, k, k, 0, 0.0)) for k in (4, 7, 8, 16)]
-    assert drafting[0] == pytest.approx(drafting[1]) and drafting[1] < drafting[2] < drafting[3]
+    assert llm.engine.core.scheduler.policy.cost.draft_passes.tolist() == passes
+    # Priced as the profile fits it: 1 ms a proposal and 2 ms a pass.
+    cost = CostModel(*grid_axes(8, 16), [[5e-3] * 6] * 4, draft_fixed=[1e-3] * 4, draft_step=[2e-3] * 4,
+                     draft_passes=passes)
+    drafting = [float(cost.step_time(1, k, k, 1, 0.0) - cost.step_time(1, k, k, 0, 0.0)) for k in (1, 4, 7, 8, 16)]
+    assert drafting == pytest.approx([3e-3, 5e-3, 5e-3, 7e-3, 11e-3])

@@ -106,7 +106,7 @@ class CudaGraphs:
         """Fill the inputs of the graph for these rows (`input_ids` on the device, if given,
         replace the fed tokens; `rejected` moves rows back, `ForwardBatch.move_back`).
         Returns that graph's key."""
-        b = next(size for size in self.buckets if size >= len(feeds))
+        b, _ = self.key(len(feeds), width)
         host = HostBatch(feeds, context_lens, page_tables, self.page_size, pin=self.device.type == "cuda",
                          pad_seqs=b, pad_tokens=b * width)
         self.tokens[:host.tokens_len].copy_(host.tokens(host.buffer), non_blocking=True)
@@ -124,6 +124,10 @@ class CudaGraphs:
             self.tree_mask.fill_(-1)
             self.tree_start.fill_(torch.iinfo(torch.int32).max)
         return b, width
+
+    def key(self, num_seqs: int, width: int) -> tuple[int, int]:
+        """The key of the graph that runs this many rows of this width."""
+        return next(size for size in self.buckets if size >= num_seqs), width
 
     def inputs(self, key: tuple[int, int]) -> ForwardBatch:
         """The input buffers the graph of this key reads."""

@@ -87,10 +87,12 @@ class ChainDrafter(ABC):
         self.draft_graphs: dict[bool, list[CudaGraphs]] = {}
         if topk > 1:
             # Per row of a tree proposal, what `_grow` reads in place: the key index of its
-            # first scratch slot, how deep and wide it grows, its catch-up's logits, and its
-            # simulated acceptance (benchmarks: the rate per depth, then the sibling factor,
-            # -1 without).
+            # first scratch slot, how deep and wide it grows, its page table, its catch-up's
+            # logits, and its simulated acceptance (benchmarks: the rate per depth, then the
+            # sibling factor, -1 without).
             self.tree_base = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
+            self.tree_pages = torch.zeros(max_seqs, -(-runner.max_model_len // runner.page_size), dtype=torch.int32,
+                                          device=runner.device)
             self.tree_depths = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
             self.tree_widths = torch.zeros(max_seqs, dtype=torch.int64, device=runner.device)
             self.tree_logits = torch.zeros(max_seqs, draft_vocab_size or vocab_size, device=runner.device)
@@ -382,15 +384,19 @@ class ChainDrafter(ABC):
         logits, state = self._run(feeds, starts, [r.pages for r in reqs], state, input_ids, rejected, sampled)
         for r, n in zip(reqs, pending):
             r.num_absorbed = self.catch_up_end(r, n)  # the tree's drafter KV is scratch
-        # The growth's inputs. Every entry of the row buffers is written: a graph's padding
-        # rows find depth 0, so they grow nothing and store nowhere.
+        # The growth's inputs, a row per request (it repeats them for each fed node on the
+        # device). Every entry of the row buffers is written: a graph's padding rows find
+        # depth 0, so they grow nothing and store nowhere.
         widths = [min(width, k) for k in ks]
         depths = [runner.config.speculative_config.draft_depth(k) for k in ks]
         bases = [self.next_position(r, 1, n) for r, n in zip(reqs, pending)]
+        cols = max(len(r.pages) for r in reqs)
+        table = [page for r in reqs for page in r.pages + [0] * (cols - len(r.pages))]
         padding = [0] * (len(self.tree_base) - b)
-        base_t, depths_t, widths_t = to_device_parts([bases + padding, depths + padding, widths + padding],
-                                                     torch.int64, device)
+        base_t, depths_t, widths_t, table_t = to_device_parts(
+            [bases + padding, depths + padding, widths + padding, table], torch.int64, device)
         self.tree_base.copy_(base_t)
+        self.tree_pages[:b, :cols].copy_(table_t.view(b, cols))
         if rejected is not None:
             self.tree_base[:b].sub_(rejected)
         self.tree_depths.copy_(depths_t)
@@ -400,21 +406,25 @@ class ChainDrafter(ABC):
         else:
             self.tree_simulated[:b, -1] = -1
         self.tree_logits[:b].copy_(logits)
-        steps = max(depths) - 1
-        node_rows = ([[0]] * (b * width), [p for p in bases for _ in range(width)],
-                     [r.pages for r in reqs for _ in range(width)])
+        steps, nodes = max(depths) - 1, b * width
         if state is not None:
             state = state.repeat_interleave(width, 0)
         graphs = self.draft_graphs.get(sampled)
-        if graphs and graphs[steps].fits(b * width, 1):
-            key = graphs[steps].load(*node_rows, 1, state)
-            (tokens, parents), _ = graphs[steps].replay(key, b * width, b)  # per tree, not per fed node
+        if graphs and graphs[steps].fits(nodes, 1):  # (`_grow` sets every input but the state)
+            key = graphs[steps].key(nodes, 1)
+            if state is not None:
+                graphs[steps].state[:nodes].copy_(state)
+            (tokens, parents), _ = graphs[steps].replay(key, nodes, b)  # per tree, not per fed node
             tokens, parents = tokens.clone(), parents.clone()  # (the next replay overwrites its outputs)
         else:
-            batch = ForwardBatch.build(*node_rows, runner.page_size, device)
-            batch.max_seq_len = max(bases) + steps * width + 1
-            batch.tree_mask = torch.empty(b * width, dtype=torch.int64, device=device)
-            batch.tree_start = torch.empty(b * width, dtype=torch.int32, device=device)
+            def zeros(*shape, dtype=torch.int64):
+                return torch.zeros(shape, dtype=dtype, device=device)
+
+            batch = ForwardBatch(zeros(nodes), zeros(nodes), zeros(nodes + 1, dtype=torch.int32),
+                                 zeros(nodes, dtype=torch.int32), zeros(nodes, dtype=torch.int32),
+                                 zeros(nodes, cols, dtype=torch.int32), zeros(nodes), max_query_len=1,
+                                 max_seq_len=max(bases) + steps * width + 1, tree_mask=zeros(nodes),
+                                 tree_start=zeros(nodes, dtype=torch.int32))
             tokens, parents = self._grow(batch, state, steps, sampled)
         most = max(ks)
         tokens, parents = tokens[:, :most], parents[:, :most]
@@ -434,10 +444,16 @@ class ChainDrafter(ABC):
         `max_draft_len` of all the nodes grown are returned, best first: tokens [rows, M] and
         parents [rows, M] (query indices, 0: the root). A child never scores above its
         parent and comes after it among the nodes grown, so the best M of a tree are a tree.
-        Rows past their depth grow nothing; `state` (a row per fed node) is updated in place."""
+        Rows past their depth grow nothing; `state` (a row per fed node) is updated in place.
+        Every other input of `batch` is set here: its rows are one token each, and row r
+        reads request r // topk's page table."""
         width, device = self.topk, batch.input_ids.device
         b = batch.num_seqs // width
         fed = torch.arange(width, device=device)
+        one_each = torch.arange(batch.num_seqs + 1, dtype=torch.int32, device=device)
+        batch.query_start_loc.copy_(one_each)
+        batch.last_index.copy_(one_each[:-1])
+        batch.page_table.copy_(self.tree_pages[:b, :batch.page_table.shape[1]].repeat_interleave(width, 0))
         # Every node grown, depth by depth: its token, cumulative draft log-probability and
         # parent (its index among the nodes; -1: the root). The nodes fed next (`front`)
         # carry their scratch slots' mask.
