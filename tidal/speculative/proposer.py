@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_tails
@@ -390,13 +391,16 @@ class ChainDrafter(ABC):
         widths = [min(width, k) for k in ks]
         depths = [runner.config.speculative_config.draft_depth(k) for k in ks]
         bases = [self.next_position(r, 1, n) for r, n in zip(reqs, pending)]
-        cols = max(len(r.pages) for r in reqs)
-        table = [page for r in reqs for page in r.pages + [0] * (cols - len(r.pages))]
         padding = [0] * (len(self.tree_base) - b)
-        base_t, depths_t, widths_t, table_t = to_device_parts(
-            [bases + padding, depths + padding, widths + padding, table], torch.int64, device)
+        base_t, depths_t, widths_t = to_device_parts([bases + padding, depths + padding, widths + padding],
+                                                     torch.int64, device)
         self.tree_base.copy_(base_t)
-        self.tree_pages[:b, :cols].copy_(table_t.view(b, cols))
+        cols = max(len(r.pages) for r in reqs)
+        table = np.zeros((b, cols), dtype=np.int32)  # (row by row: a flat list of b x cols ints is slower)
+        for i, r in enumerate(reqs):
+            table[i, :len(r.pages)] = r.pages
+        table = torch.from_numpy(table)
+        self.tree_pages[:b, :cols].copy_(table.pin_memory() if device.type == "cuda" else table, non_blocking=True)
         if rejected is not None:
             self.tree_base[:b].sub_(rejected)
         self.tree_depths.copy_(depths_t)
