@@ -98,13 +98,13 @@ def test_trees_drafted_ahead_of_a_step_in_flight_change_no_output(models, plain,
 class ReplayedOnTheCpu(CudaGraphs):
     """CudaGraphs whose graphs, on the CPU, run their forward again at each replay, on the
     same input buffers and into the same output tensors: what a replay reads and returns,
-    and its padding, without CUDA."""
+    and its padding, without CUDA. Captured on the inputs a real capture runs."""
 
     def capture(self, pool=None):
         self.replays = 0
         for w in self.widths:
             for b in self.buckets:
-                batch = self.view(b, w)
+                batch = self.blank_inputs(b, w)
                 state = None if self.state is None else self.state[:b * w]
                 self.graphs[(b, w)] = (_Rerun(self, batch, state), batch, self.forward(batch, state))
         return pool
@@ -127,10 +127,8 @@ class _Rerun:
 def test_trees_grown_inside_graphs_change_no_output(models, plain, method, monkeypatch):
     """A tree's growth replays as one graph (its rows padded to the graph's bucket: padding
     rows grow nothing and store nowhere), planned after a commit and ahead of a step in
-    flight: greedy and seeded outputs are the plain ones, and the replayed drafts are as good
-    as eager ones. (Their accepted counts are equal run by run here, but one run in a full
-    suite once saw 47 accepted against 76: not explained, so the bound is loose; drafts
-    replayed wrongly, e.g. in reverse, are accepted under a tenth as often.)"""
+    flight: the replayed drafts are those grown eagerly (as many accepted), and greedy and
+    seeded outputs are the plain ones."""
     params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
               for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
     seeded = run(LLM(model=models["target"], page_size=4), repetitive_prompts(), params)[0]
@@ -147,7 +145,7 @@ def test_trees_grown_inside_graphs_change_no_output(models, plain, method, monke
             assert run(llm, repetitive_prompts(), greedy())[0] == plain
             assert run(llm, repetitive_prompts(), params)[0] == seeded
             accepted.append(llm.engine.stats()["spec"]["num_accepted"])
-        assert accepted[1] >= accepted[0] / 2 > 0, accepted
+        assert accepted[0] == accepted[1] > 0, accepted
         assert sum(g.replays for sets in proposer.draft_graphs.values() for g in sets) > 0
 
 

@@ -71,20 +71,26 @@ class CudaGraphs:
             batch.tree_mask, batch.tree_start = self.tree_mask[:b * w], self.tree_start[:b]
         return batch
 
+    def blank_inputs(self, b: int, w: int) -> ForwardBatch:
+        """The inputs of graph (b, w) as its capture runs it: b rows of w tokens that store
+        nowhere (graphs' inputs overlap: what another left here is cleared)."""
+        batch = self.view(b, w)
+        batch.input_ids.zero_()
+        batch.positions.zero_()
+        batch.slot_mapping.fill_(-1)
+        batch.query_start_loc.copy_(torch.arange(0, b * w + 1, w, dtype=torch.int32))
+        batch.seq_lens.fill_(w)
+        batch.last_index.copy_(torch.arange(w - 1, b * w, w, dtype=torch.int32))
+        return batch
+
     @torch.inference_mode()
     def capture(self, pool=None):
         """Capture every graph (into `pool`, if given). Returns the memory pool."""
         stream = torch.cuda.Stream(self.device)
         for w in reversed(self.widths):          # largest first: later graphs reuse its memory
             for b in reversed(self.buckets):
-                batch = self.view(b, w)
+                batch = self.blank_inputs(b, w)
                 state = None if self.state is None else self.state[:b * w]
-                batch.input_ids.zero_()  # graphs' inputs overlap: clear what another left here
-                batch.positions.zero_()
-                batch.slot_mapping.fill_(-1)
-                batch.query_start_loc.copy_(torch.arange(0, b * w + 1, w, dtype=torch.int32))
-                batch.seq_lens.fill_(w)
-                batch.last_index.copy_(torch.arange(w - 1, b * w, w, dtype=torch.int32))
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     self.forward(batch, state)  # compile and warm up
