@@ -72,7 +72,7 @@ def catch_up_ms(tokens: int) -> float:
     return CATCH_UP_MS[0] + CATCH_UP_MS[1] * tokens if tokens else 0.0
 
 
-def price_list(cost_ms, spec: SpecConfig, max_num_seqs: int, draft_depth) -> CostModel:
+def price_list(cost_ms, spec: SpecConfig, max_num_seqs: int) -> CostModel:
     """The cost function as a start-up profile would measure it: the target's decode grid
     and the drafter's proposals at K = 1 and the largest K, a fixed part and a price per
     pass fitted through them (`tidal.profiling`); the engine's online corrections then
@@ -81,7 +81,7 @@ def price_list(cost_ms, spec: SpecConfig, max_num_seqs: int, draft_depth) -> Cos
     batch_sizes, widths = grid_axes(max_num_seqs, k)
     grid = [[cost_ms(b, b * (w - 1), 0, 0) / 1e3 for w in widths] for b in batch_sizes]
     first, last = ([(cost_ms(b, b, n, b) - cost_ms(b, b, 0, 0)) / 1e3 for b in batch_sizes] for n in (1, k))
-    passes = [draft_depth(n) for n in range(k + 1)]
+    passes = [spec.draft_depth(n) for n in range(k + 1)]
     span = passes[k] - passes[1]
     step = [(hi - lo) / span if span else lo for lo, hi in zip(first, last)]
     return CostModel(batch_sizes, widths, grid, draft_fixed=[lo - s for lo, s in zip(first, step)], draft_step=step,
@@ -186,7 +186,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
         accepted, paths = [], []
         for k, (_, rates, _) in zip(ks, decoding):
             if args.topk > 1:
-                nodes = walk_tree(grow_tree(tuple(rates), acceptance.sibling, args.topk, args.draft_depth(k), k),
+                nodes = walk_tree(grow_tree(tuple(rates), acceptance.sibling, args.topk, args.spec.draft_depth(k), k),
                                   rates, acceptance.sibling, args.topk, rng) if k else []
                 paths.append([0] + nodes + [0] * (args.k - len(nodes)))
                 accepted.append(len(nodes))
@@ -258,9 +258,6 @@ def main():
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (trees: num_draft_tokens)")
     p.add_argument("--topk", type=int, default=1, help="trees of drafts, topk wide (1: chains)")
     p.add_argument("--depth", type=int, help="a tree's num_speculative_tokens (default --k)")
-    p.add_argument("--nested-trees", action="store_true",
-                   help="grow a tree of K nodes min(depth, K) deep, so that it is the best K nodes of one "
-                        "tree (the engine grows it only as deep as its fed nodes fit in K slots)")
     p.add_argument("--token-budget", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--modes", default="none,fixed:1,fixed:2,fixed:4,goodput,oracle")
     p.add_argument("--steps", type=int, default=3000)
@@ -282,9 +279,8 @@ def main():
     args.spec = SpecConfig("draft_model", depth, model="(simulated)", topk=args.topk, num_draft_tokens=args.k,
                            simulate_acceptance=acceptance)
     args.rates_len = depth if args.topk > 1 else args.k
-    args.draft_depth = (lambda k: min(depth, k)) if args.nested_trees else args.spec.draft_depth
     args.cost = lambda b, drafts, max_draft, *rest: h200_8b(b, drafts, max_draft, *rest,
-                                                            passes=args.draft_depth(max_draft), topk=args.topk)
+                                                            passes=args.spec.draft_depth(max_draft), topk=args.topk)
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         cell = {}
@@ -294,7 +290,7 @@ def main():
             elif mode.startswith("fixed:"):
                 policy = Fixed(int(mode.split(":")[1]))
             else:
-                policy = Goodput(price_list(args.cost, args.spec, max(256, c), args.draft_depth), args.k)
+                policy = Goodput(price_list(args.cost, args.spec, max(256, c)), args.k)
                 policy.acceptance.marginal = args.topk > 1
                 if mode == "oracle":
                     policy.acceptance = Told(args.k)
@@ -312,7 +308,7 @@ def main():
         print(f"c={c:4d}  " + "  ".join(f"{m} {r['tokens_per_s']:7.0f}" for m, r in cell.items()) + extra, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("cost", "spec", "draft_depth")}, "rows": rows}, f, indent=1)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("cost", "spec")}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from tidal.bench.matrix import Workload, cell_loads, cell_rate, format_matrix, plot_matrix, run_matrix
+from tidal.bench.matrix import (Workload, cell_loads, cell_rate, format_matrix, plot_matrix, run_matrix,
+                                server_acceptance)
 from tidal.bench.offline import run_offline_sweep
 from tidal.bench.serve import run_sweep
 from tidal.bench.datasets import random_requests, read_json_array, sharegpt_requests
@@ -73,6 +74,13 @@ def test_argument_errors(checkpoint, capsys):
         mode_spec_config("off", None)
     with pytest.raises(ValueError, match="table"):
         mode_spec_config("table", NGRAM)  # policy table needs a table
+    tree = {"method": "draft_model", "model": checkpoint("llama"), "topk": 4, "num_speculative_tokens": 5,
+            "num_draft_tokens": 16, "simulate_acceptance": {"mean": 0.7, "sibling": 0.3}}
+    assert mode_spec_config("fixed:8", tree)["num_draft_tokens"] == 8  # a tree's K is its nodes
+    # A workload's rates reach the servers with the user's sibling factor (trees), or alone.
+    assert server_acceptance(0.8, tree) == {"mean": 0.8, "sibling": 0.3}
+    assert server_acceptance({"mean": 0.6, "std": 0.25}, tree) == {"mean": 0.6, "std": 0.25, "sibling": 0.3}
+    assert server_acceptance(0.8, NGRAM) == 0.8
     assert parse_bursty("1:20,128:200") == ((1, 20), (128, 200))
     with pytest.raises(ValueError, match="--bursty"):
         parse_bursty("1:20,128")

@@ -135,14 +135,14 @@ def test_policy_sim_tool(tmp_path):
 
 
 def test_policy_sim_tool_with_trees(tmp_path):
-    """Trees in the simulated closed loop: where every tree of K nodes is the best K of one tree
-    (`--nested-trees`), what goodput learns of each node's chance is what a larger tree buys, and
-    at one client it keeps within 3% of the largest tree."""
+    """Trees in the simulated closed loop: every tree of K nodes is the best K of one tree
+    (`SpecConfig.draft_depth`), so what goodput learns of each node's chance is what a larger
+    tree buys, and at one client it keeps within 3% of the largest tree."""
     path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks"))
     out = tmp_path / "sim_trees.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_sim.py"),
                            "--acceptance", '{"mean": 0.7, "sibling": 0.3}', "--topk", "4", "--depth", "5", "--k", "16",
-                           "--nested-trees", "--concurrency", "1", "--steps", "600", "--warmup", "100",
+                           "--concurrency", "1", "--steps", "600", "--warmup", "100",
                            "--modes", "fixed:16,goodput", "--json", str(out)],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tidal.config import EngineConfig, SamplingParams
+from tidal.config import EngineConfig, SamplingParams, SpecConfig
 from tidal.kv_cache import PagePool
 from tidal.request import Request
 from tidal.scheduler import Scheduler
@@ -16,13 +16,17 @@ from tidal.step import StepResult
 PAGE = 4
 
 
-def planner(num_pages=64, k=2, budget=64, max_num_seqs=8, drafts_ahead=True, async_scheduling=True):
-    """A scheduler whose policy drafts `k` for every decoding request."""
+def planner(num_pages=64, k=2, budget=64, max_num_seqs=8, drafts_ahead=True, async_scheduling=True,
+            spec=None, max_model_len=1024):
+    """A scheduler whose policy drafts `k` for every decoding request (chains, unless `spec`
+    is a tree's config)."""
     config = EngineConfig(model="unused", device="cpu", page_size=PAGE, max_num_batched_tokens=budget,
                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
     speculation = SimpleNamespace(max_draft_len=k, proposer=SimpleNamespace(drafts_ahead=drafts_ahead),
+                                  config=spec or SpecConfig("draft_model", max(k, 1), model="unused"),
                                   make_policy=lambda pool, demand, config: Fixed(k))
-    return Scheduler(PagePool(num_pages, PAGE, enable_prefix_caching=False), config, 1024, speculation if k else None)
+    return Scheduler(PagePool(num_pages, PAGE, enable_prefix_caching=False), config, max_model_len,
+                     speculation if k else None)
 
 
 def request(name, prompt_len, max_tokens=100):
@@ -56,6 +60,25 @@ def test_a_plan_made_while_a_step_runs_covers_every_draft_there_and_the_next_com
     commit_all(s, ahead, accepted=[0, 0])
     assert len(a.pages) == -(-a.num_computed // PAGE)  # rejected drafts' pages back in the pool
     assert s.pool.num_free + sum(len(r.pages) for r in (a, b)) == s.pool.capacity
+
+
+def test_a_tree_keeps_the_slots_its_growth_feeds_and_gives_them_back():
+    """A tree of 8 nodes, 5 deep and 4 wide, feeds 4 nodes at each of 4 levels: its row keeps
+    16 slots past its root for the step, not 8, and near max_model_len it drafts a tree whose
+    slots fit."""
+    spec = SpecConfig("draft_model", 5, model="unused", topk=4, num_draft_tokens=8)
+    s = planner(k=8, spec=spec, max_model_len=40)
+    a = request("a", 5)
+    s.add(a)
+    commit_all(s, s.schedule())
+    plan = s.schedule()
+    assert plan.draft_lens == [8] and len(a.pages) == -(-(5 + 1 + 16) // PAGE)
+    commit_all(s, plan, accepted=[1])
+    assert len(a.pages) == -(-a.num_computed // PAGE)  # the rest back in the pool
+    while a.num_tokens < 26:
+        commit_all(s, s.schedule(), accepted=[8])
+    # 40 - 26 - 1 = 13 slots left: a tree of 4 nodes (12 slots), not 8 (16)
+    assert a.num_tokens == 26 and s.schedule().draft_lens == [4]
 
 
 def one_decoding(**kw):

@@ -14,6 +14,7 @@ from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
 from tidal.speculative.cost_model import CostModel, grid_axes
 from tidal.graphs import CudaGraphs
+from tidal.profiling import dummy_plan
 from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
 from tidal.speculative.verify import verify as real_verify
 
@@ -260,19 +261,43 @@ def test_simulated_acceptance_with_trees(models):
 
 
 def test_a_tree_is_priced_by_its_depth_and_its_nodes(models):
-    """A tree of K nodes costs the drafter a pass per level it grows (`draft_depth`) and the
-    target K verified tokens: goodput's start-up profile (which verifies trees) keeps the
-    passes, and a wider tree of the same depth adds no drafting price."""
+    """A tree of K nodes costs the drafter a pass per level it grows (min(depth, K),
+    `draft_depth`) and the target K verified tokens, and keeps a slot for each node it feeds
+    (`draft_slots`): goodput's start-up profile (which verifies trees) keeps the passes, and a
+    wider tree of the same depth adds no drafting price."""
     chain = SpecConfig(method="draft_model", model=models["draft_model"], num_speculative_tokens=4)
-    assert [chain.draft_depth(k) for k in range(5)] == [0, 1, 2, 3, 4]
+    assert [chain.draft_depth(k) for k in range(5)] == [chain.draft_slots(k) for k in range(5)] == [0, 1, 2, 3, 4]
     config = tree_config(models, "draft_model", 5, 4, 16, policy="goodput", profile_seconds=1.0)
     spec = SpecConfig.from_dict(config)
-    passes = [0, 1, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5]
+    passes = [0, 1, 2, 3, 4] + [5] * 12
     assert [spec.draft_depth(k) for k in range(17)] == passes
+    assert [spec.draft_slots(k) for k in range(17)] == [0, 1, 2, 6, 12] + [16] * 12  # 4 fed a level below the first
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=8, speculative_config=config)
     assert llm.engine.core.scheduler.policy.cost.draft_passes.tolist() == passes
     # Priced as the profile fits it: 1 ms a proposal and 2 ms a pass.
     cost = CostModel(*grid_axes(8, 16), [[5e-3] * 6] * 4, draft_fixed=[1e-3] * 4, draft_step=[2e-3] * 4,
                      draft_passes=passes)
-    drafting = [float(cost.step_time(1, k, k, 1, 0.0) - cost.step_time(1, k, k, 0, 0.0)) for k in (1, 4, 7, 8, 16)]
-    assert drafting == pytest.approx([3e-3, 5e-3, 5e-3, 7e-3, 11e-3])
+    drafting = [float(cost.step_time(1, k, k, 1, 0.0) - cost.step_time(1, k, k, 0, 0.0)) for k in (1, 4, 5, 16)]
+    assert drafting == pytest.approx([3e-3, 9e-3, 11e-3, 11e-3])
+
+
+def test_a_tree_of_k_nodes_is_the_best_k_of_the_largest(models):
+    """Trees are nested: a request drafting K nodes gets the first K nodes (parents too) of
+    the tree it would draft at the most, grown in the slots the scheduler keeps for its fed
+    nodes, so that what the policy learns of the m-th node's chance holds for every K."""
+    # Simulated odds (0.9 for a node's best child, 0.09 for its second) make the best nodes
+    # a deep chain's: a tree of 3 nodes is 3 deep.
+    llm = LLM(model=models["target"], page_size=4, speculative_config=tree_config(
+        models, "draft_model", 3, 3, 8, simulate_acceptance={"mean": 0.9, "sibling": 0.1}))
+    runner, proposer = llm.engine.core.runner, llm.engine.core.speculation.proposer
+    ks = [8, 7, 5, 4, 3, 2, 1]
+    plan = dummy_plan(len(ks), 13, 8, runner)  # (each row's pages hold its 8 drafts' and 6 fed nodes' slots)
+    for r in plan.requests:
+        r.token_ids, r.num_absorbed = list(plan.requests[0].token_ids), 0
+        r.simulated_acceptance = [0.9, 0.9, 0.9, 0.1]  # (per depth, then the sibling factor)
+    plan.draft_lens[:] = ks
+    drafts = proposer.propose(plan, list(range(len(ks))))
+    tokens, parents = drafts.tokens.tolist(), drafts.parents.tolist()
+    assert parents[0][:3] == [0, 1, 2]
+    for i, k in enumerate(ks):
+        assert (tokens[i][:k], parents[i][:k]) == (tokens[0][:k], parents[0][:k]), k

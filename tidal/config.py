@@ -219,11 +219,17 @@ class SpecConfig:
 
     def draft_depth(self, k: int) -> int:
         """Drafter passes (the catch-up's, then one per draft step) of a request drafting k:
-        k for a chain. A tree of k nodes grows min(topk, k) wide, as deep as its fed nodes
-        fit in its k slots, and no deeper than k (its best k nodes could not reach further)."""
-        if k <= 0:
-            return 0
-        return min(self.num_speculative_tokens, k, 1 + k // min(self.topk, k))
+        k for a chain. A tree of k nodes grows min(topk, k) wide and min(depth, k) deep (its
+        best k nodes could reach no further), so that it is the best k nodes of the largest
+        tree, and a tree of k + 1 nodes is it and one node more: what the policy learns of the
+        m-th node's chance holds for every tree."""
+        return max(0, min(self.num_speculative_tokens, k))
+
+    def draft_slots(self, k: int) -> int:
+        """Slots past its root a request drafting k keeps for the step: its k drafts' (their
+        target KV), or more for the drafter KV of the nodes a tree's growth feeds, min(topk,
+        k) a level below the first (`ChainDrafter._place`)."""
+        return max(k, (self.draft_depth(k) - 1) * min(self.topk, k)) if k > 0 else 0
 
     @staticmethod
     def from_dict(d: dict | str | "SpecConfig" | None) -> "SpecConfig | None":

@@ -39,8 +39,8 @@ def dummy_plan(batch: int, context: int, k: int, runner, params=GREEDY, num_new:
     of its sequence, so it samples) plus k drafts. The tokens are random, as served text's
     are: a Mixture-of-Experts model routes them to its experts as it would real ones (one
     token repeated would route every row to the same few, and price a step far too low)."""
-    ps = runner.page_size
-    pages = -(-(context + num_new + k) // ps)
+    ps, spec = runner.page_size, runner.config.speculative_config
+    pages = -(-(context + num_new + (spec.draft_slots(k) if spec else k)) // ps)
     tokens = random_tokens(runner, (batch, context + num_new)).tolist()
     reqs = []
     for i in range(batch):
@@ -78,9 +78,11 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> f
 
 def largest_step_pages(config, page_size: int) -> int:
     """Pages the largest steps (`run_largest_steps`) use."""
-    k = config.speculative_config.max_draft_len if config.speculative_config else 0
+    spec = config.speculative_config
+    k, slots = (spec.max_draft_len, spec.draft_slots(spec.max_draft_len)) if spec else (0, 0)
     rows = verify_rows(config)
-    return rows * -(-(page_size + 2 + 2 * k) // page_size) + -(-(config.max_num_batched_tokens + 2 * k + 2) // page_size) + 1
+    return (rows * -(-(page_size + 2 + k + slots) // page_size)
+            + -(-(config.max_num_batched_tokens + k + slots + 2) // page_size) + 1)
 
 
 def verify_rows(config) -> int:
@@ -105,14 +107,15 @@ def run_largest_steps(runner, proposer) -> None:
         runner.launch(dummy_plan(b, ps, 0, runner, SAMPLED)).result()
         return
     k = runner.max_draft_len
+    slots = config.speculative_config.draft_slots(k)
     plan = dummy_plan(verify_rows(config), ps, k, runner, SAMPLED)
     # One row that missed a budget's worth, or all that max_model_len leaves beside its drafts
     # (the model has no positions past it); it takes the pages after the others'.
     first = plan.requests[0]
-    first.token_ids = [0] * min(budget + k + 3, runner.max_model_len - k)
+    first.token_ids = [0] * min(budget + k + 3, runner.max_model_len - slots)
     first.num_computed = len(first.token_ids) - 1
     used = {p for r in plan.requests[1:] for p in r.pages}
-    first.pages = [p for p in range(1, runner.num_pages) if p not in used][:-(-(len(first.token_ids) + k) // ps)]
+    first.pages = [p for p in range(1, runner.num_pages) if p not in used][:-(-(len(first.token_ids) + slots) // ps)]
     for r in plan.requests:
         r.num_absorbed = 0 if r is first else r.num_computed - 1
     drafts = proposer.propose(plan, list(range(len(plan.requests))))
@@ -152,8 +155,10 @@ def plan_pages(runner, proposer) -> int:
 
 def long_context(runner, max_batch: int, max_draft_len: int, max_model_len: int) -> int:
     """The context at which the profile prices attention: 2,048 tokens, or what fits."""
-    width = grid_axes(max_batch, max_draft_len)[1][-1]
-    return min(2048, max_model_len - width - 1, (runner.num_pages - 1) // min(8, max_batch) * runner.page_size - width)
+    k = grid_axes(max_batch, max_draft_len)[1][-1] - 1
+    spec = runner.config.speculative_config
+    reach = 1 + (spec.draft_slots(k) if spec else k)  # a row's token and its drafts' slots
+    return min(2048, max_model_len - reach - 1, (runner.num_pages - 1) // min(8, max_batch) * runner.page_size - reach)
 
 
 def cached_costs(key: dict, measure: Callable[[], CostModel]) -> CostModel:

@@ -11,6 +11,7 @@ later from its prompt and output so far.
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_right
 from collections import deque
 
 from tidal.config import EngineConfig
@@ -34,6 +35,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.plans_ahead = config.async_scheduling  # plan a step while the one before runs
         self.max_draft_len = speculation.max_draft_len if speculation else 0
+        # Slots past its root a row drafting K keeps (`SpecConfig.draft_slots`: a tree's growth
+        # may feed more nodes than it verifies), nondecreasing in K.
+        self.draft_slots = [speculation.config.draft_slots(k) if speculation else 0
+                            for k in range(self.max_draft_len + 1)]
         self.drafts_ahead = speculation is None or speculation.proposer.drafts_ahead
         self.policy: SpecPolicy = speculation.make_policy(pool, self.prefill_demand, config) if speculation else Off()
         self.waiting: deque[Request] = deque()
@@ -121,7 +126,7 @@ class Scheduler:
             room = budget - prompt_tokens
             for i, (req, end) in enumerate(zip(requests, ends)):
                 k = min(draft_lens.get(req.request_id, 0), room)
-                need = pages_for(end + k, ps) - len(req.pages) if k else 0
+                need = pages_for(end + self.draft_slots[k], ps) - len(req.pages) if k else 0
                 if k and need <= free:
                     if need > 0:
                         req.pages += self.pool.allocate(need)
@@ -231,10 +236,11 @@ class Scheduler:
         if not decoding:
             return {}, None
         pending = [after.get(r, 0) for r in decoding]
-        # A request can commit at most K + 1 tokens; drafting past its end is waste.
-        limits = [max(0, min(self.max_draft_len,
-                             r.params.max_tokens - r.num_output_tokens - n - 1,
-                             self.max_model_len - r.num_tokens - n - 1)) for r, n in zip(decoding, pending)]
+        # A request can commit at most K + 1 tokens; drafting past its end is waste. Its
+        # drafts' slots stay within max_model_len.
+        limits = [max(0, min(r.params.max_tokens - r.num_output_tokens - n - 1,
+                             bisect_right(self.draft_slots, self.max_model_len - r.num_tokens - n - 1) - 1))
+                  for r, n in zip(decoding, pending)]
         self.feeding = fed
         try:
             chosen = self.policy.choose(decoding, limits, len(self.waiting))

@@ -32,7 +32,9 @@ def add_bench_parser(sub) -> None:
         description="One server per mode serves the workloads W1-W5 (prompt/output tokens, temperature, "
                     "acceptance): W1 128/128 greedy 0.8; W2 512/192 T=0.7 0.7; W3 2048/256 greedy 0.6; "
                     "W4 64/512 T=0.7 0.9/0.75/0.6/0.45 by draft position; W5 256/256 T=0.7, each request's "
-                    "rate from a Beta of mean 0.6 and std 0.25. Needs --speculative-config with a drafter.")
+                    "rate from a Beta of mean 0.6 and std 0.25. Needs --speculative-config with a drafter; for "
+                    "trees, its simulate_acceptance's sibling factor (e.g. {\"mean\": 0.7, \"sibling\": 0.3}) "
+                    "rides with every workload's rates.")
     add_engine_args(matrix)
     from tidal.bench.matrix import MATRIX_CONCURRENCY, MATRIX_MODES
 

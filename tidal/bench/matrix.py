@@ -22,6 +22,7 @@ from tidal.bench.datasets import random_requests
 from tidal.bench.report import text_table
 from tidal.bench.serve import server_process
 from tidal.bench.workload import Load, check_warm_up, mode_spec_config, summarize_run, warm_up_load
+from tidal.config import SimulatedAcceptance
 from tidal.models.config import ModelConfig
 from tidal.tokenizer import Tokenizer
 
@@ -74,7 +75,7 @@ def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *
         for load in loads:
             cuts.append(cuts[-1] + load.total_requests)
         per_workload[w.name] = requests[:num_warmups], [requests[a:b] for a, b in zip(cuts, cuts[1:])]
-    base = {**spec_config, "simulate_acceptance": workloads[0].acceptance}
+    base = {**spec_config, "simulate_acceptance": server_acceptance(workloads[0].acceptance, spec_config)}
     configs = {m: mode_spec_config(m, base) for m in modes}
     rows = []
     report = {"benchmark": "matrix", "model": model, "speculative_config": spec_config, "mode_configs": configs,
@@ -101,6 +102,16 @@ def run_matrix(modes: list[str], workloads: list[Workload], loads: list[Load], *
                         on_cell(report)
     add_matrix_ratios(report)
     return report
+
+
+def server_acceptance(acceptance: float | list | dict, spec_config: dict) -> float | list | dict:
+    """The servers' simulated acceptance: a workload's, with the sibling factor the user's
+    `simulate_acceptance` names, if any (trees: how often a node's further children are the
+    target's token). Requests send their workload's rates alone and keep the server's factor."""
+    user = SimulatedAcceptance.parse(spec_config.get("simulate_acceptance"))
+    if user is None or not user.sibling:
+        return acceptance
+    return {**(acceptance if isinstance(acceptance, dict) else {"mean": acceptance}), "sibling": user.sibling}
 
 
 def cell_rate(row: dict) -> float:

@@ -353,10 +353,11 @@ class ChainDrafter(ABC):
 
     def _propose_tree(self, plan: StepPlan, rows: list[int], st, pending: list[int], ahead: Ahead | None) -> Drafts:
         """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them
-        (`_grow`) after the catch-up. A row of K_i nodes grows min(topk, K_i) wide and so deep
-        that the nodes it feeds fit in its K_i reserved slots (`SpecConfig.draft_depth`): the
-        drafter keeps their KV there, past the row's root, for the step (the target's KV for the tree goes to the
-        same slots, in its own tensors). The growth reads its inputs from the `tree_*`
+        (`_grow`) after the catch-up. A row of K_i nodes grows min(topk, K_i) wide and
+        min(depth, K_i) deep (`SpecConfig.draft_depth`): the drafter keeps the KV of the nodes
+        it feeds in the slots past the row's root that the scheduler keeps for it
+        (`SpecConfig.draft_slots`), for the step; the target's KV for the tree goes to the
+        first K_i of them, in its own tensors. The growth reads its inputs from the `tree_*`
         buffers and replays as one graph where one fits: the host sets them and replays.
         Planned ahead of a step in flight, the catch-up and the draft steps are moved back on
         the device as a chain's are (`pending`, `Ahead`)."""
