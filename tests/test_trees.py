@@ -229,6 +229,8 @@ def test_bad_tree_configs(models):
                           "simulate_acceptance")]:
         with pytest.raises(ValueError, match=f"speculative_config.{field}"):
             LLM(model=target, speculative_config={**base, **extra})
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens: a tree 9 deep"):
+        LLM(model=target, speculative_config={**base, "num_speculative_tokens": 9, "topk": 8, "num_draft_tokens": 8})
     with pytest.raises(ValueError, match="speculative_config.topk"):
         LLM(model=target, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "topk": 2,
                                               "num_draft_tokens": 4})

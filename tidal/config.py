@@ -206,6 +206,10 @@ class SpecConfig:
                 raise ValueError(f"speculative_config.topk: method {self.method!r} drafts chains only (topk 1)")
             if topk > n:
                 raise ValueError(f"speculative_config.topk ({topk}) must not exceed num_draft_tokens ({n})")
+            if (k - 1) * topk > MAX_DRAFT_TOKENS:
+                raise ValueError(f"speculative_config.num_speculative_tokens: a tree {k} deep and topk {topk} wide "
+                                 f"feeds {(k - 1) * topk} nodes to its drafter, more than the {MAX_DRAFT_TOKENS} "
+                                 "one attention mask holds")
             if n > topk + (k - 1) * topk * topk:
                 raise ValueError(f"speculative_config.num_draft_tokens ({n}) exceeds the {topk + (k - 1) * topk * topk} "
                                  f"nodes a tree of topk {topk}, num_speculative_tokens {k} deep grows")
