@@ -11,7 +11,8 @@ length, chain against trees (a trained head: real acceptance).
 Speed, random weights (bf16), a Llama-3.1-8B shape with an EAGLE-3-shaped head, SIMULATED
 acceptance (a node's best child is the target's token with probability `--rate`, its r-th
 best with rate * sibling^r; the drafter's tree takes those odds, `ChainDrafter._children`):
-batch-1 decode of plain, chains of K = 3..6 and trees of 8 and 16 nodes. Prints a table
+batch-1 decode of plain, chains of K = 3..6 and trees of 8 and 16 nodes, and where the
+steps of the chain of 5 and the trees of 16 spend their time (the profiler). Prints tables
 last; writes JSON to $OUT/trees_gpu.json.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from common import LLAMA_8B, SMOKE, write_eagle_dir, write_model_dir
-from gpu_fastpath import decode_rate, free_memory, greedy, random_prompts
+from gpu_fastpath import decode_rate, free_memory, greedy, random_prompts, where_time_goes
 from tidal import LLM, SamplingParams
 from tidal.demo import DEMO_DIR
 
@@ -107,11 +108,13 @@ def main():
         head_dir = write_eagle_dir(Path(tmp), shape)
         one = random_prompts(1, 128, shape["vocab_size"], seed=3)
 
-        def b1(label, spec):
+        def b1(label, spec, profiled=False):
             llm = LLM(model=str(model_dir), speculative_config=spec, **common)
             rate = decode_rate(llm, one, new_tokens)
             if spec:
                 rate["mean_accepted_length"] = llm.engine.stats()["spec"]["mean_accepted_length"]
+            if profiled:  # where a step's time goes: the GPU's kernels, or the host between them
+                rate["profile"] = where_time_goes(llm, one, top_kernels=12)
             results["b1"][label] = rate
             del llm
             free_memory()
@@ -121,13 +124,13 @@ def main():
         eagle = {"method": "eagle3", "model": str(head_dir), "policy": "fixed"}
         for k in (3, 4, 5, 6):
             section(f"chain K={k}", lambda k=k: b1(f"chain K={k}", {
-                **eagle, "num_speculative_tokens": k, "simulate_acceptance": args.rate}))
+                **eagle, "num_speculative_tokens": k, "simulate_acceptance": args.rate}, profiled=k == 5))
         for sibling in args.siblings:
             for topk, depth, nodes in TREES:
                 label = f"tree {topk}x{depth}, {nodes} nodes, sibling {sibling}"
                 section(label, lambda label=label, topk=topk, depth=depth, nodes=nodes, sibling=sibling: b1(label, {
                     **eagle, "num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes,
-                    "simulate_acceptance": {"mean": args.rate, "sibling": sibling}}))
+                    "simulate_acceptance": {"mean": args.rate, "sibling": sibling}}, profiled=nodes == 16))
 
     (out_dir / "trees_gpu.json").write_text(json.dumps(results, indent=1))
     b1_rates = results["b1"]
@@ -143,6 +146,11 @@ def main():
     for k, v in b1_rates.items():
         print(f"| {k} | {v['decode_tok_s']:.1f} | {v.get('mean_accepted_length', 1.0):.2f} | "
               f"{v['decode_tok_s'] / plain:.2f} | {v['decode_tok_s'] / best_chain:.3f} |")
+    print("\n| batch 1, under the profiler | step ms | GPU busy ms | kernels a step |\n| --- | --- | --- | --- |")
+    for k, v in b1_rates.items():
+        if "profile" in v:
+            prof = v["profile"]
+            print(f"| {k} | {prof['step_ms']:.2f} | {prof['gpu_busy_ms']:.2f} | {prof['kernels_per_step']:.0f} |")
     if results.get("errors") or results["skipped"]:
         print("errors in:", list(results.get("errors", {})), "skipped:", results["skipped"])
 
