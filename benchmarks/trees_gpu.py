@@ -75,6 +75,7 @@ def main():
     ap.add_argument("--rate", type=float, default=0.7, help="simulated chance of a node's best child")
     ap.add_argument("--siblings", type=float, nargs="+", default=[0.15, 0.3],
                     help="each further child's chance against the one before")
+    ap.add_argument("--chains", type=int, nargs="+", default=[3, 4, 5, 6], help="chain lengths K to time")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds after which sections are skipped")
     args = ap.parse_args()
     begin = time.perf_counter()
@@ -122,7 +123,7 @@ def main():
         section("correctness", lambda: check_correctness(device, results))
         section("plain", lambda: b1("plain", None))
         eagle = {"method": "eagle3", "model": str(head_dir), "policy": "fixed"}
-        for k in (3, 4, 5, 6):
+        for k in args.chains:
             section(f"chain K={k}", lambda k=k: b1(f"chain K={k}", {
                 **eagle, "num_speculative_tokens": k, "simulate_acceptance": args.rate}, profiled=k == 5))
         for sibling in args.siblings:
