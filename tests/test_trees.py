@@ -293,7 +293,9 @@ def test_a_tree_of_k_nodes_is_the_best_k_of_the_largest(models):
         models, "draft_model", 3, 3, 8, simulate_acceptance={"mean": 0.9, "sibling": 0.1}))
     runner, proposer = llm.engine.core.runner, llm.engine.core.speculation.proposer
     ks = [8, 7, 5, 4, 3, 2, 1]
-    plan = dummy_plan(len(ks), 13, 8, runner)  # (each row's pages hold its 8 drafts' and 6 fed nodes' slots)
+    # Each row's pages hold 8 slots past its root: a tree of 3 or 4 nodes uses 6 of them, for
+    # the nodes its growth feeds (2 levels of 3), more than the slots it verifies.
+    plan = dummy_plan(len(ks), 13, 8, runner)
     for r in plan.requests:
         r.token_ids, r.num_absorbed = list(plan.requests[0].token_ids), 0
         r.simulated_acceptance = [0.9, 0.9, 0.9, 0.1]  # (per depth, then the sibling factor)
