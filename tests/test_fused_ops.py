@@ -105,6 +105,39 @@ def test_silu_and_mul(dtype, tokens, inter):
     close(fused.silu_and_mul(x), SiluAndMul()(x))
 
 
+@pytest.mark.parametrize("simulate", [False, True])
+@pytest.mark.parametrize("nodes", [5, 63])
+def test_accept_tree_walks_as_the_torch_walk(simulate, nodes):
+    """`fused.accept_tree` commits what `tree.accept_tree` commits (with `simulated_choice`'s
+    children when simulating): random trees of up to 63 nodes (the mask's last bit), every
+    length 0..N, a node its parent's target token often."""
+    from tidal.speculative.tree import Tree, accept_tree, simulated_choice
+
+    gen = torch.Generator().manual_seed(nodes)
+    B, N, V = 48, nodes, 1000
+    parents = torch.stack([torch.tensor([int(torch.randint(0, c + 1, (1,), generator=gen)) for c in range(N)])
+                           for _ in range(B)])
+    tree = Tree.of(parents)
+    targets = torch.randint(0, V, (B, N + 1), generator=gen)
+    drafts = torch.randint(V, 2 * V, (B, N), generator=gen)  # (never a target: siblings stay distinct)
+    for i in range(B):
+        for c in range(N):  # a node's first child is its target token at 0.7
+            if c == int((parents[i] == parents[i, c]).nonzero()[0]) and torch.rand(1, generator=gen) < 0.7:
+                drafts[i, c] = targets[i, parents[i, c]]
+    lens = torch.randint(0, N + 1, (B,), generator=gen)
+    u = simulated = chosen = None
+    if simulate:
+        u = torch.rand(B, N + 1, generator=gen)
+        simulated = torch.cat([torch.rand(B, 3, generator=gen), torch.full((B, 1), 0.4)], 1)
+        chosen = simulated_choice(parents, lens, tree.depth, simulated[:, :-1], simulated[:, -1:], u)
+    want_tokens, want_accept, want_path = accept_tree(targets, drafts, tree, lens, chosen)
+    tokens, accept, path = fused.accept_tree(targets, drafts, tree, lens, u, simulated)
+    assert accept.tolist() == want_accept.tolist()
+    assert max(accept) >= 3 and min(accept) == 1  # deep paths and none
+    assert path.tolist() == want_path.tolist()
+    assert [t[:n] for t, n in zip(tokens.tolist(), accept)] == [t[:n] for t, n in zip(want_tokens.tolist(), accept)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("hidden, n", [(128, 37), (1000, 130)])

@@ -208,10 +208,10 @@ def test_steps_drafted_ahead_of_a_verification_change_no_output(models, method, 
     proposer = llm.engine.core.speculation.proposer
     propose, pick, commit = proposer.propose, proposer._pick, llm.engine.core.scheduler.commit
 
-    def verify(logits, tokens, ks, st, counters, parents=None):
+    def verify(logits, tokens, ks, st, counters, tree=None):
         if tokens.shape[1]:  # (a plain step samples through verify at K = 0)
             seen["verify"].append(counters.tolist())
-        return real_verify(logits, tokens, ks, st, counters, parents)
+        return real_verify(logits, tokens, ks, st, counters, tree)
 
     def proposing(plan, rows, ahead=None):
         seen["first draft"] = True
@@ -390,7 +390,7 @@ def test_sampling_is_lossless_and_the_test_detects_a_wrong_verifier(models, monk
     assert homogeneity_pvalue(target, drafted) > ALPHA, (target, drafted)
 
     # Control: a verifier that accepts every draft samples the drafter's distribution.
-    def accept_all(logits, tokens, ks, st, counters, parents=None):
+    def accept_all(logits, tokens, ks, st, counters, tree=None):
         return real_verify(logits, tokens, ks, replace(st, simulated=torch.ones(tokens.shape)), counters)
 
     monkeypatch.setattr(tidal.runner, "verify", accept_all)

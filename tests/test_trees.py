@@ -15,7 +15,7 @@ from tidal.config import SpecConfig
 from tidal.speculative.cost_model import CostModel, grid_axes
 from tidal.graphs import CudaGraphs
 from tidal.profiling import dummy_plan
-from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
+from tidal.speculative.tree import Tree, accept_tree, simulated_choice, tree_shape
 from tidal.speculative.verify import verify as real_verify
 
 
@@ -30,22 +30,24 @@ def test_tree_shape_and_walk():
     #     1     2
     #    / \     \
     #   3   4     5
-    parents = torch.tensor([[0, 0, 1, 1, 2]])
-    depth, ancestors = tree_shape(parents)
-    assert depth.tolist() == [[0, 1, 1, 2, 2, 2]]
-    assert ancestors.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]]
+    tree = Tree.of(torch.tensor([[0, 0, 1, 1, 2]]))
+    assert tree.depth.tolist() == [[0, 1, 1, 2, 2, 2]]
+    assert tree.ancestors.tolist() == [[0b1, 0b11, 0b101, 0b1011, 0b10011, 0b100101]]
     drafts = torch.tensor([[10, 11, 20, 21, 30]])
     # The target's token at each query index: at the root 11 (node 2), at node 2 30 (node 5), at node 5 99.
     targets = torch.tensor([[11, 0, 30, 0, 0, 99]])
-    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([5]), depth)
+    tokens, lens, path = accept_tree(targets, drafts, tree, torch.tensor([5]))
     assert lens.tolist() == [3] and path[0, :3].tolist() == [0, 2, 5] and tokens[0, :3].tolist() == [11, 30, 99]
     # Only the first 4 nodes are valid: node 5 is not there, so the walk stops at node 2.
-    tokens, lens, path = accept_tree(targets, drafts, parents, torch.tensor([4]), depth)
+    tokens, lens, path = accept_tree(targets, drafts, tree, torch.tensor([4]))
     assert lens.tolist() == [2] and tokens[0, :2].tolist() == [11, 30]
+    # A node whose parent is off the path is off it too: node 3 is the target's token at
+    # node 1, but node 1 is not the root's.
+    tokens, lens, path = accept_tree(torch.tensor([[11, 20, 30, 0, 0, 99]]), drafts, tree, torch.tensor([5]))
+    assert lens.tolist() == [3] and path[0].tolist() == [0, 2, 5, 0, 0, 0]
     # A chain is a tree: node r + 1 hangs from node r.
-    chain = torch.tensor([[0, 1, 2]])
-    tokens, lens, _ = accept_tree(torch.tensor([[5, 6, 8, 9]]), torch.tensor([[5, 6, 7]]), chain, torch.tensor([3]),
-                                  tree_shape(chain)[0])
+    tokens, lens, _ = accept_tree(torch.tensor([[5, 6, 8, 9]]), torch.tensor([[5, 6, 7]]),
+                                  Tree.of(torch.tensor([[0, 1, 2]])), torch.tensor([3]))
     assert lens.tolist() == [3] and tokens[0, :3].tolist() == [5, 6, 8]
 
 
@@ -203,19 +205,20 @@ def test_sampling_with_trees_is_lossless_and_the_test_detects_a_wrong_verifier(m
     assert homogeneity_pvalue(target, continuation_counts(spec)) < ALPHA
 
 
-def _accept_first_children(logits, tokens, ks, st, counters, parents=None):
+def _accept_first_children(logits, tokens, ks, st, counters, tree=None):
     """A wrong verifier: the targets are replaced by each node's first child, so the walk
     commits the drafts of the first branch."""
     b, w, _ = logits.shape
-    targets, lens, path = real_verify(logits, tokens, ks, st, counters, parents)
-    if parents is None:  # (a plain step)
+    targets, lens, path = real_verify(logits, tokens, ks, st, counters, tree)
+    if tree is None:  # (a plain step)
         return targets, lens, path
+    parents = tree.parents
     first = torch.zeros(b, w, dtype=torch.int64)
     for i in range(b):
         for q in range(w):
             kids = [c for c in range(1, int(ks[i]) + 1) if int(parents[i, c - 1]) == q]
             first[i, q] = tokens[i, kids[0] - 1] if kids else targets[i, q]
-    return accept_tree(first, tokens, parents, ks, tree_shape(parents)[0])
+    return accept_tree(first, tokens, tree, ks)
 
 
 def test_bad_tree_configs(models):
@@ -301,7 +304,7 @@ def test_a_tree_of_k_nodes_is_the_best_k_of_the_largest(models):
         r.simulated_acceptance = [0.9, 0.9, 0.9, 0.1]  # (per depth, then the sibling factor)
     plan.draft_lens[:] = ks
     drafts = proposer.propose(plan, list(range(len(ks))))
-    tokens, parents = drafts.tokens.tolist(), drafts.parents.tolist()
+    tokens, parents = drafts.tokens.tolist(), drafts.tree.parents.tolist()
     assert parents[0][:3] == [0, 1, 2]
     for i, k in enumerate(ks):
         assert (tokens[i][:k], parents[i][:k]) == (tokens[0][:k], parents[0][:k]), k

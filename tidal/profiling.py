@@ -23,6 +23,7 @@ import torch
 from tidal.config import SamplingParams
 from tidal.request import Request
 from tidal.speculative.cost_model import CostModel, fill_by_tokens, grid_axes, monotone
+from tidal.speculative.tree import Tree
 from tidal.step import Drafts, StepPlan
 from tidal.version import __version__
 
@@ -223,8 +224,8 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
         plan = dummy_plan(b, context, w - 1, runner)
         drafts = None
         if w > 1:  # (an engine that drafts trees verifies a chain as a tree: its walk and KV move)
-            parents = torch.arange(w - 1, device=runner.device).expand(b, w - 1) if runner.tree_drafts else None
-            drafts = Drafts(random_tokens(runner, (b, w - 1)).to(runner.device), [w - 1] * b, parents=parents)
+            chain = Tree.of(torch.arange(w - 1, device=runner.device).expand(b, w - 1)) if runner.tree_drafts else None
+            drafts = Drafts(random_tokens(runner, (b, w - 1)).to(runner.device), [w - 1] * b, tree=chain)
         return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 
     def run_proposer(b, k, backlog=1):

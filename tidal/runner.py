@@ -27,7 +27,6 @@ from tidal.layers.linear import heads_per_rank, tensor_parallel
 from tidal.layers.sampler import SamplingTensors, compute_logprobs
 from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
-from tidal.speculative.tree import tree_shape
 from tidal.speculative.verify import verify
 from tidal.step import Ahead, Drafts, Span, StepPlan, StepResult
 
@@ -222,7 +221,8 @@ class ModelRunner:
 
         for batch in self.warmup_batches(self.config.max_num_batched_tokens):
             self.model(batch.input_ids, batch, self.kv_caches)
-        fused.build_sampling_variants(self.model_config.vocab_size, 1 + self.max_draft_len, self.device)
+        fused.build_sampling_variants(self.model_config.vocab_size, 1 + self.max_draft_len, self.device,
+                                      trees=self.tree_drafts)
         batch = ForwardBatch.build([[0]], [0], [[NULL_PAGE]], self.page_size, self.device)
         batch.move_back(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
         batch.advance(torch.zeros(1, dtype=torch.int64, device=self.device), self.page_size)
@@ -258,7 +258,7 @@ class ModelRunner:
         inputs = StepInputs(feeds, contexts, [r.pages for r in reqs],
                             decode_only=len(rows) == len(reqs) and all(n == 1 for n in plan.num_new_tokens),
                             sampled=bool(rows))
-        tree = self._tree_inputs(plan, feeds, contexts, drafts) if drafts is not None and drafts.parents is not None \
+        tree = self._tree_inputs(plan, feeds, contexts, drafts) if drafts is not None and drafts.tree is not None \
             else None
         logits = self.forward_step(inputs, self._device_inputs(plan, feeds, drafts, ahead),
                                    ahead.rejected if ahead else None, logit_index, tree)
@@ -343,12 +343,12 @@ class ModelRunner:
         tokens = drafts.tokens[:, :width - 1] if width > 1 else logits.new_zeros(len(rows), 0, dtype=torch.int64)
         if len(subset):
             tokens = tokens[subset]
-        parents = None
-        if drafts is not None and drafts.parents is not None:
-            parents = drafts.parents[subset] if len(subset) else drafts.parents
+        tree = None
+        if drafts is not None and drafts.tree is not None:
+            tree = drafts.tree.rows(subset) if len(subset) else drafts.tree
         sampled = [reqs[i] for i in rows]
         step.tokens, step.accepted, step.path = verify(logits, tokens, ks, self.sampling_tensors(sampled), counters,
-                                                       parents)
+                                                       tree)
         if width > 1:
             step.rejected = ks + 1 - step.accepted
         wanted = [r.params.logprobs for r in sampled]
@@ -363,7 +363,7 @@ class ModelRunner:
         """A step's trees as its forward takes them: each node at its root's position plus its
         depth, seeing only its ancestors (`ForwardBatch.tree_mask`); and the key indices of
         every row's root and nodes, where the accepted path's KV is moved (`_keep_accepted`)."""
-        depth, ancestors = tree_shape(drafts.parents)
+        depth, ancestors = drafts.tree.depth, drafts.tree.ancestors
         width = depth.shape[1]
         at, source, offset, starts, keys = [], [], [], [], []
         end = 0
@@ -379,9 +379,9 @@ class ModelRunner:
         at_t, source_t, offset_t, starts_t, keys_t = to_device_parts([at, source, offset, starts, keys], torch.int64,
                                                                      self.device)
         mask = torch.full((end,), -1, dtype=torch.int64, device=self.device)
-        mask[at_t] = ancestors.view(-1)[source_t]
+        mask[at_t] = ancestors.reshape(-1)[source_t]
         shift = torch.zeros(end, dtype=torch.int64, device=self.device)
-        shift[at_t] = offset_t - depth.view(-1)[source_t]
+        shift[at_t] = offset_t - depth.reshape(-1)[source_t]
         return TreeInputs(shift, mask, starts_t.to(torch.int32), keys_t.view(len(feeds), width))
 
     def _keep_accepted(self, step: PendingStep, slots: torch.Tensor) -> None:

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tidal.request import Request
+
+if TYPE_CHECKING:  # (tidal.speculative imports this module)
+    from tidal.speculative.tree import Tree
 
 
 @dataclass
@@ -60,7 +64,7 @@ class Drafts:
     tokens: torch.Tensor           # [B, Kmax] int64 on the runner's device; row i valid up to lens[i]
     lens: list[int]                # drafts per row of the plan (0 for a row that does not draft)
     catch_up: Span | None = None    # the drafter absorbing what it missed, where it had to
-    parents: torch.Tensor | None = None  # [B, Kmax] int64: trees (`tree`), each node's parent; None: chains
+    tree: Tree | None = None        # trees: each node's parent [B, Kmax], with depths and ancestors; None: chains
 
 
 class Span:

@@ -624,6 +624,74 @@ def accept_matching(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.
     return tokens, accept
 
 
+@triton.jit(do_not_specialize=["W", "R"])
+def _accept_tree_kernel(targets_ptr, drafts_ptr, parents_ptr, depth_ptr, ancestors_ptr, lens_ptr, u_ptr, sim_ptr,
+                        tokens_ptr, accept_ptr, path_ptr, W, R, SIMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    """Row program: `tree.accept_tree`'s walk (with SIMULATE, `tree.simulated_choice`'s
+    children) over one row's query tokens q (0 the root, c >= 1 node c), in registers."""
+    row = tl.program_id(0).to(tl.int64)
+    q = tl.arange(0, BLOCK)
+    inside = q < W
+    node = (q >= 1) & (q <= tl.load(lens_ptr + row))
+    parent = tl.load(parents_ptr + row * (W - 1) + q - 1, mask=node, other=0)
+    draft = tl.load(drafts_ptr + row * (W - 1) + q - 1, mask=node, other=0)
+    if SIMULATE:
+        # Node c is taken if its rank among its siblings (the earlier nodes of its parent) is
+        # the rank its parent's uniform draws: u in [first * (1 + .. + s^(r-1)), first * (1 + .. + s^r)).
+        rank = tl.sum(((parent[:, None] == parent[None, :]) & (q[None, :] < q[:, None]) & node[None, :]).to(tl.int32),
+                      axis=1)
+        u = tl.load(u_ptr + row * W + parent, mask=node, other=2.0)
+        level = tl.minimum(tl.load(depth_ptr + row * W + parent, mask=node, other=0), R - 1)
+        first = tl.load(sim_ptr + row * (R + 1) + level, mask=node, other=0.0)
+        sibling = tl.load(sim_ptr + row * (R + 1) + R)
+        power = tl.full([BLOCK], 1.0, tl.float32)
+        upto = tl.zeros([BLOCK], tl.float32)
+        before = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(BLOCK):
+            upto += tl.where(r <= rank, power, 0.0)
+            before += tl.where(r < rank, power, 0.0)
+            power = power * sibling
+        taken = (u >= first * before) & (u < first * upto)
+    else:
+        taken = draft == tl.load(targets_ptr + row * W + parent, mask=node, other=-1)
+    bit = tl.full([BLOCK], 1, tl.int64) << q.to(tl.int64)
+    matched = tl.sum(tl.where(taken & node, bit, 0), axis=0) | 1  # distinct bits: the sum is their OR
+    ancestors = tl.load(ancestors_ptr + row * W + q, mask=inside, other=0)
+    on_path = ((ancestors & ~matched) == 0) & inside
+    depth = tl.load(depth_ptr + row * W + q, mask=inside, other=-1)
+    accept = tl.sum(on_path.to(tl.int64), axis=0)
+    d = tl.arange(0, BLOCK)  # the path's node at each depth (0 past it)
+    path = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == d[:, None]), q[None, :], 0), axis=1)
+    token = tl.load(targets_ptr + row * W + path)
+    if SIMULATE:  # the drafts along the path are committed, then the target's draw
+        after = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == d[:, None] + 1), q[None, :], 0), axis=1)
+        token = tl.where(d + 1 < accept, tl.load(drafts_ptr + row * (W - 1) + after - 1, mask=d + 1 < accept,
+                                                 other=0), token)
+    tl.store(tokens_ptr + row * W + d, token, mask=d < W)
+    tl.store(path_ptr + row * W + d, path, mask=d < W)
+    tl.store(accept_ptr + row, accept)
+
+
+def accept_tree(targets: torch.Tensor, drafts: torch.Tensor, tree, lens: torch.Tensor, u: torch.Tensor | None = None,
+                simulated: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tree.accept_tree` in one kernel (the torch walk is dozens): targets [B, W], the
+    nodes' drafts [B, W - 1], their `tree.Tree` and lengths [B]; when simulating acceptance,
+    each query token's uniform u [B, W] and the rates by depth with the sibling factor last
+    (`SamplingTensors.simulated`). Returns token_ids [B, W] (unspecified past the
+    accepted), accept_lens [B] and path [B, W]."""
+    b, w = targets.shape
+    tokens = torch.empty(b, w, dtype=torch.int64, device=targets.device)
+    path = torch.empty(b, w, dtype=torch.int64, device=targets.device)
+    accept = torch.empty(b, dtype=torch.int64, device=targets.device)
+    if b:
+        c = torch.Tensor.contiguous
+        _accept_tree_kernel[(b,)](c(targets), c(drafts), c(tree.parents), c(tree.depth), c(tree.ancestors), c(lens),
+                                  targets if u is None else c(u), targets if simulated is None else c(simulated),
+                                  tokens, accept, path, w, 1 if simulated is None else simulated.shape[1] - 1,
+                                  SIMULATE=u is not None, BLOCK=64)  # (W <= 64: `config.MAX_DRAFT_TOKENS`)
+    return tokens, accept, path
+
+
 def build_argmax_variants(vocab_size: int, device: torch.device, lookup: torch.Tensor | None = None) -> None:
     """Build `argmax` over this vocabulary (with `lookup`, if given) for rows split over several
     programs and for rows enough to take one each: the two variants the row count picks."""
@@ -631,7 +699,7 @@ def build_argmax_variants(vocab_size: int, device: torch.device, lookup: torch.T
         argmax(torch.zeros(n, vocab_size, device=device), lookup=lookup)
 
 
-def build_sampling_variants(vocab_size: int, max_width: int, device: torch.device) -> None:
+def build_sampling_variants(vocab_size: int, max_width: int, device: torch.device, trees: bool = False) -> None:
     """Build, at start-up, every variant of the sampling and acceptance kernels that steps
     over this vocabulary can reach (verification up to `max_width` tokens a row), so that
     none is built inside a user's step. Sizes and strides that change from step to step are
@@ -652,3 +720,9 @@ def build_sampling_variants(vocab_size: int, max_width: int, device: torch.devic
         best, drafts = zeros(1, max_width, dtype=torch.int64), zeros(1, max_width - 1, dtype=torch.int64)
         for u in (None, zeros(1, max_width - 1)):  # (simulated acceptance, for benchmarks)
             accept_matching(best, drafts, zeros(1, dtype=torch.int64), u)
+        if trees:
+            from tidal.speculative.tree import Tree
+
+            tree = Tree.of(zeros(1, max_width - 1, dtype=torch.int64))
+            for u, simulated in ((None, None), (zeros(1, max_width), zeros(1, 2))):
+                accept_tree(best, drafts, tree, zeros(1, dtype=torch.int64), u, simulated)

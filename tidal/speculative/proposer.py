@@ -26,6 +26,7 @@ import torch
 from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_tails
 from tidal.graphs import CudaGraphs, forward_rows
 from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, hash_uniform_vocab, sample_from_probs
+from tidal.speculative.tree import Tree
 from tidal.step import Ahead, Drafts, Span, StepPlan
 
 
@@ -419,8 +420,8 @@ class ChainDrafter(ABC):
             key = graphs[steps].key(nodes, 1)
             if state is not None:
                 graphs[steps].state[:nodes].copy_(state)
-            (tokens, parents), _ = graphs[steps].replay(key, nodes, b)  # per tree, not per fed node
-            tokens, parents = tokens.clone(), parents.clone()  # (the next replay overwrites its outputs)
+            grown, _ = graphs[steps].replay(key, nodes, b)  # per tree, not per fed node
+            grown = [t.clone() for t in grown]  # (the next replay overwrites its outputs)
         else:
             def zeros(*shape, dtype=torch.int64):
                 return torch.zeros(shape, dtype=dtype, device=device)
@@ -430,24 +431,29 @@ class ChainDrafter(ABC):
                                  zeros(nodes, cols, dtype=torch.int32), zeros(nodes), max_query_len=1,
                                  max_seq_len=max(bases) + steps * width + 1, tree_mask=zeros(nodes),
                                  tree_start=zeros(nodes, dtype=torch.int32))
-            tokens, parents = self._grow(batch, state, steps, sampled)
+            grown = self._grow(batch, state, steps, sampled)
         most = max(ks)
-        tokens, parents = tokens[:, :most], parents[:, :most]
+        tokens, parents, depth, ancestors = grown
+        tokens, tree = tokens[:, :most], Tree(parents[:, :most], depth[:, :1 + most], ancestors[:, :1 + most])
         lens = [0] * len(plan.requests)
         for i, k in zip(rows, ks):
             lens[i] = k
-        if rows_t is not None:
+        if rows_t is not None:  # the rows that draft nothing get a tree of their own too (the root's mask)
             tokens = tokens.new_zeros(len(plan.requests), most).index_copy_(0, rows_t, tokens)
-            parents = parents.new_zeros(len(plan.requests), most).index_copy_(0, rows_t, parents)
-        return Drafts(tokens, lens, absorbing, parents)
+            every = Tree.flat(len(plan.requests), most, device)
+            for field in ("parents", "depth", "ancestors"):
+                getattr(every, field).index_copy_(0, rows_t, getattr(tree, field))
+            tree = every
+        return Drafts(tokens, lens, absorbing, tree)
 
     def _grow(self, batch: ForwardBatch, state: torch.Tensor | None, steps: int, sampled: bool):
         """Grow each row's tree `steps` draft steps deep from its catch-up's logits, on the
         device alone (so it replays as a graph): each step feeds the `topk` best nodes of the
         depth before (by cumulative draft log-probability), each as a one-token row of
         `batch`, and gives each its `topk` likeliest tokens (`_children`); the best
-        `max_draft_len` of all the nodes grown are returned, best first: tokens [rows, M] and
-        parents [rows, M] (query indices, 0: the root). A child never scores above its
+        `max_draft_len` of all the nodes grown are returned, best first: tokens [rows, M],
+        parents [rows, M] (query indices, 0: the root), and the depth and ancestors [rows, 1 +
+        M] of their `Tree`, found inside the growth's graph. A child never scores above its
         parent and comes after it among the nodes grown, so the best M of a tree are a tree.
         Rows past their depth grow nothing; `state` (a row per fed node) is updated in place.
         Every other input of `batch` is set here: its rows are one token each, and row r
@@ -491,7 +497,8 @@ class ChainDrafter(ABC):
         best = scores.argsort(dim=1, descending=True, stable=True)[:, :m]
         rank = torch.full_like(parents, -1).scatter_(1, best, torch.arange(m, device=device).expand(b, m).contiguous())
         parent = parents.gather(1, best)
-        return tokens.gather(1, best), torch.where(parent >= 0, rank.gather(1, parent.clamp(min=0)) + 1, 0)
+        tree = Tree.of(torch.where(parent >= 0, rank.gather(1, parent.clamp(min=0)) + 1, 0))  # (in the graph)
+        return tokens.gather(1, best), tree.parents, tree.depth, tree.ancestors
 
     def _place(self, batch: ForwardBatch, d: int, live: torch.Tensor, tokens: torch.Tensor, masks: torch.Tensor):
         """Set `batch` for draft step d of the trees: row i's fed node f (tokens, masks [b,

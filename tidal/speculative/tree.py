@@ -8,6 +8,8 @@ whose node r + 1 hangs from node r.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -29,38 +31,62 @@ def tree_shape(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return depth, ancestors
 
 
+@dataclass
+class Tree:
+    """A step's trees on the device: each node's parent [B, N], and each query token's
+    depth and ancestors [B, 1 + N] (`tree_shape`), found once, where the trees are grown
+    (inside the growth's graph), for the target's forward and the walk to share."""
+
+    parents: torch.Tensor
+    depth: torch.Tensor
+    ancestors: torch.Tensor
+
+    @staticmethod
+    def of(parents: torch.Tensor) -> Tree:
+        return Tree(parents, *tree_shape(parents))
+
+    @staticmethod
+    def flat(b: int, n: int, device: torch.device) -> Tree:
+        """b trees of n nodes, each hanging from the root (`tree_shape` of zero parents)."""
+        query = torch.arange(1 + n, device=device)
+        return Tree(query.new_zeros(b, n), (query > 0).to(torch.int64).repeat(b, 1), ((1 << query) | 1).repeat(b, 1))
+
+    def rows(self, index: torch.Tensor) -> Tree:
+        return Tree(self.parents[index], self.depth[index], self.ancestors[index])
+
+
 def children(parents: torch.Tensor, lens: torch.Tensor, width: int) -> torch.Tensor:
     """[B, width, N] bool: whether node c (query index c + 1) is a valid child of query token q."""
     valid = torch.arange(1, parents.shape[1] + 1, device=parents.device)[None, :] <= lens[:, None]
     return (parents[:, None, :] == torch.arange(width, device=parents.device)[None, :, None]) & valid[:, None, :]
 
 
-def accept_tree(targets: torch.Tensor, drafts: torch.Tensor, parents: torch.Tensor, lens: torch.Tensor,
-                depth: torch.Tensor, chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def accept_tree(targets: torch.Tensor, drafts: torch.Tensor, tree: Tree, lens: torch.Tensor,
+                chosen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk each tree from its root: at a node, the target's own token there (`targets`
     [B, W], its draw or argmax at each query token) is committed, and the walk goes on into
-    the child drafted as that token, if there is one. drafts [B, W - 1] and parents are the
-    nodes (row i's first lens[i] valid), depth [B, W] their depths (`tree_shape`). Siblings
-    are distinct tokens, so at most one child matches, and the nodes whose every ancestor
-    matched form the path. Returns token_ids [B, W] (the targets along the path),
-    accept_lens [B] (the path's nodes plus one) and path [B, W] (the query index at each
-    depth; the root's 0, and 0 past the path). With `chosen` [B, W, N] (simulated
+    the child drafted as that token, if there is one. drafts [B, W - 1] are the nodes' tokens
+    (row i's first lens[i] valid). Siblings are distinct tokens, so at most one child
+    matches, and the path is the nodes whose every ancestor matched (the root matches: its
+    ancestors' bits within the matched ones). Returns token_ids [B, W] (the targets along
+    the path), accept_lens [B] (the path's nodes plus one) and path [B, W] (the query index
+    at each depth; the root's 0, and 0 past the path). With `chosen` [B, W, N] (simulated
     acceptance), the child taken at each query token is the one chosen there, whatever its
-    token, and the drafts along the path are committed."""
+    token, and the drafts along the path are committed. `fused.accept_tree` is the same
+    walk in one kernel."""
     b, w = targets.shape
-    valid = torch.arange(1, w, device=targets.device)[None, :] <= lens[:, None]
-    up = torch.cat([parents.new_zeros(b, 1), parents], 1)
+    query = torch.arange(w, device=targets.device)
+    valid = query[1:] <= lens[:, None]
     if chosen is None:
-        taken = drafts == targets.gather(1, parents)  # each node is its parent's target token
+        taken = drafts == targets.gather(1, tree.parents)  # each node is its parent's target token
     else:
         taken = chosen.any(1)  # (chosen[i, q, c] only where q is c's parent)
         targets = torch.where(chosen.any(-1), drafts.gather(1, chosen.to(torch.int64).argmax(-1)), targets)
-    on_path = torch.cat([valid.new_ones(b, 1), taken & valid], 1)
-    for _ in range((w - 1).bit_length()):  # a node is on the path if all its ancestors are
-        on_path = on_path & on_path.gather(1, up)
-        up = up.gather(1, up)
-    nodes = torch.arange(w, device=targets.device).expand(b, w)
-    path = torch.zeros_like(nodes).scatter_(1, torch.where(on_path, depth, 0), torch.where(on_path, nodes, 0))
+    # The matched nodes' bits, the root's included: distinct bits, so their sum is their OR.
+    matched = ((taken & valid).to(torch.int64) << query[1:]).sum(1, keepdim=True) | 1
+    on_path = (tree.ancestors & ~matched) == 0
+    path = torch.zeros_like(tree.depth).scatter_(1, torch.where(on_path, tree.depth, 0),
+                                                 torch.where(on_path, query, 0))
     return targets.gather(1, path), on_path.sum(1), path
 
 
@@ -72,8 +98,11 @@ def simulated_choice(parents: torch.Tensor, lens: torch.Tensor, depth: torch.Ten
     with the uniform u [B, W]."""
     b, w = depth.shape
     first = rates.gather(1, depth.clamp(max=rates.shape[1] - 1))  # [B, W]: the best child's chance
-    odds = first[:, :, None] * sibling[:, None, :] ** torch.arange(w - 1, device=depth.device)
-    rank = (u[:, :, None] >= odds.cumsum(-1)).sum(-1)  # the rank taken (w - 1: none)
+    # The chance that one of the first r + 1 children is taken, first * (1 + s + ... + s^r):
+    # powers by products and sums in order, as `fused.accept_tree` makes them.
+    powers = torch.cat([torch.ones_like(sibling), sibling.expand(b, w - 2)], 1).cumprod(1)
+    below = first[:, :, None] * powers.cumsum(1)[:, None, :]
+    rank = (u[:, :, None] >= below).sum(-1)  # the rank taken (w - 1: none)
     earlier = torch.ones(w - 1, w - 1, dtype=torch.bool, device=depth.device).tril(-1)
     sibling_rank = ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)  # [B, N]
     return children(parents, lens, w) & (sibling_rank[:, None, :] == rank[:, :, None])

@@ -21,7 +21,7 @@ import torch
 
 from tidal.layers.sampler import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, greedy_tokens, hash_uniform, \
     processed_probs, sample, sample_from_probs
-from tidal.speculative.tree import accept_tree, simulated_choice, tree_shape
+from tidal.speculative.tree import Tree, accept_tree, simulated_choice
 
 
 def verify(
@@ -30,7 +30,7 @@ def verify(
     draft_lens: torch.Tensor,          # [B] int64, K_i in [0, W - 1] (not read at W = 1)
     st: SamplingTensors,               # one row per request
     counters: torch.Tensor,            # [B] int64, output index of the token after the last committed one
-    parents: torch.Tensor | None = None,  # [B, W - 1] int64: trees (`tree`); None: chains
+    tree: Tree | None = None,          # the drafts' trees; None: chains
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Decide which drafts to commit. Returns token_ids [B, W] int64, accept_lens [B]
     int64 and, for trees, the accepted path (`tree.accept_tree`; None for chains): commit
@@ -51,8 +51,8 @@ def verify(
         return sample(target_logits[:, 0], st, counters)[:, None], torch.ones(B, dtype=torch.int64,
                                                                               device=target_logits.device), None
     positions = torch.arange(W, device=target_logits.device)
-    if parents is not None:  # a node's draw is at its depth's output index
-        positions = tree_shape(parents)[0]
+    if tree is not None:  # a node's draw is at its depth's output index
+        positions = tree.depth
     if st.all_greedy:
         targets = greedy_tokens(target_logits)  # [B, W]
     else:
@@ -60,12 +60,18 @@ def verify(
         p = processed_probs(target_logits.reshape(B * W, V), every)
         targets = sample_from_probs(p, every.seeds, (counters.unsqueeze(1) + positions).reshape(-1),
                                     STREAM_SAMPLE).view(B, W)
-    if parents is not None:
-        chosen = None
+    if tree is not None:
+        u = chosen = None
         if st.simulated is not None:  # its last column is the sibling factor
             u = hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + positions, STREAM_ACCEPT)
-            chosen = simulated_choice(parents, draft_lens, positions, st.simulated[:, :-1], st.simulated[:, -1:], u)
-        return accept_tree(targets, draft_tokens, parents, draft_lens, positions, chosen)
+        if target_logits.is_cuda:
+            from tidal.layers import fused  # the walk in one kernel
+
+            return fused.accept_tree(targets, draft_tokens, tree, draft_lens, u, st.simulated)
+        if u is not None:
+            rates, sibling = st.simulated[:, :-1], st.simulated[:, -1:]
+            chosen = simulated_choice(tree.parents, draft_lens, positions, rates, sibling, u)
+        return accept_tree(targets, draft_tokens, tree, draft_lens, chosen)
     u = None
     if st.simulated is not None:
         u = hash_uniform(st.seeds.unsqueeze(1), counters.unsqueeze(1) + positions[:K], STREAM_ACCEPT) \
