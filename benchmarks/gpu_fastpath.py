@@ -295,15 +295,16 @@ def host_phases(llm, prompts, new_tokens):
     return per_step_us(calls)
 
 
-def where_time_goes(llm, prompts, steps=24, top_kernels=8):
+def where_time_goes(llm, prompts, steps=24, top_kernels=8, params=greedy):
     """Decode steps under the torch profiler: wall time per step, the GPU's busy time in it
     (kernel durations summed; the rest is the GPU waiting on the host or between kernels),
-    the kernels a step launches, and the top kernels (ms and launches per step)."""
+    the kernels a step launches, and the top kernels (ms and launches per step). `params`
+    makes a request's SamplingParams from its output length."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
     for p in prompts:
-        engine.add_request(engine.make_request(p, greedy(steps + 64)))
+        engine.add_request(engine.make_request(p, params(steps + 64)))
     while engine.core.scheduler.waiting or any(r.num_computed < r.num_prompt_tokens for r in engine.core.scheduler.running):
         engine.step()  # prefill first: only decode steps are profiled
     for _ in range(4):

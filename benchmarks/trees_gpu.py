@@ -12,8 +12,11 @@ Speed, random weights (bf16), a Llama-3.1-8B shape with an EAGLE-3-shaped head, 
 acceptance (a node's best child is the target's token with probability `--rate`, its r-th
 best with rate * sibling^r; the drafter's tree takes those odds, `ChainDrafter._children`):
 batch-1 decode of plain, chains of K = 3..6 and trees of 8 and 16 nodes, and where the
-steps of the chain of 5 and the trees of 16 spend their time (the profiler). Prints tables
-last; writes JSON to $OUT/trees_gpu.json.
+steps of the chain of 5 and the trees of 16 spend their time (the profiler); then, under
+load (`--rows` requests sampling at temperature 0.7, the workload matrix's W2), steps of
+K = 0, 1, 2 (policy `table`) of the chain engine and of the tree engine (topk 4, 5 deep,
+16 nodes), profiled: what a small tree costs where goodput weighs it against K = 0.
+Prints tables last; writes JSON to $OUT/trees_gpu.json.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def main():
     ap.add_argument("--siblings", type=float, nargs="+", default=[0.15, 0.3],
                     help="each further child's chance against the one before")
     ap.add_argument("--chains", type=int, nargs="+", default=[3, 4, 5, 6], help="chain lengths K to time")
+    ap.add_argument("--rows", type=int, default=64, help="requests in the profiled steps under load")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds after which sections are skipped")
     args = ap.parse_args()
     begin = time.perf_counter()
@@ -84,7 +88,7 @@ def main():
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-               "correctness": {}, "b1": {}, "skipped": [],
+               "correctness": {}, "b1": {}, "loaded": {}, "skipped": [],
                "note": f"speed rows: random weights, SIMULATED acceptance {args.rate} (trees: sibling factors "
                        f"{args.siblings})"}
     new_tokens = 32 if args.smoke else 256
@@ -120,6 +124,14 @@ def main():
             del llm
             free_memory()
 
+        def loaded(label, spec):
+            llm = LLM(model=str(model_dir), speculative_config=spec, **{**common, "max_num_seqs": args.rows})
+            prompts = random_prompts(args.rows, 128, shape["vocab_size"], seed=4)
+            results["loaded"][label] = where_time_goes(llm, prompts, top_kernels=12, params=lambda n: SamplingParams(
+                temperature=0.7, max_tokens=n, ignore_eos=True, seed=0))
+            del llm
+            free_memory()
+
         section("correctness", lambda: check_correctness(device, results))
         section("plain", lambda: b1("plain", None))
         eagle = {"method": "eagle3", "model": str(head_dir), "policy": "fixed"}
@@ -132,6 +144,14 @@ def main():
                 section(label, lambda label=label, topk=topk, depth=depth, nodes=nodes, sibling=sibling: b1(label, {
                     **eagle, "num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes,
                     "simulate_acceptance": {"mean": args.rate, "sibling": sibling}}, profiled=nodes == 16))
+
+        for engine, shape_of in (("chain", {"num_speculative_tokens": 2}),
+                                 ("tree", {"num_speculative_tokens": 5, "topk": 4, "num_draft_tokens": 16})):
+            for k in (0, 1, 2):
+                label = f"{engine} engine, K = {k}"
+                section(label, lambda label=label, spec={**eagle, **shape_of, "policy": "table", "table": {"1": k},
+                                                        "simulate_acceptance": {"mean": args.rate, "sibling": 0.3}
+                                                        if engine == "tree" else args.rate}: loaded(label, spec))
 
     (out_dir / "trees_gpu.json").write_text(json.dumps(results, indent=1))
     b1_rates = results["b1"]
@@ -152,6 +172,10 @@ def main():
         if "profile" in v:
             prof = v["profile"]
             print(f"| {k} | {prof['step_ms']:.2f} | {prof['gpu_busy_ms']:.2f} | {prof['kernels_per_step']:.0f} |")
+    print(f"\n| {args.rows} rows, temperature 0.7, under the profiler | step ms | GPU busy ms | kernels a step |"
+          "\n| --- | --- | --- | --- |")
+    for k, prof in results["loaded"].items():
+        print(f"| {k} | {prof['step_ms']:.2f} | {prof['gpu_busy_ms']:.2f} | {prof['kernels_per_step']:.0f} |")
     if results.get("errors") or results["skipped"]:
         print("errors in:", list(results.get("errors", {})), "skipped:", results["skipped"])
 
