@@ -180,6 +180,40 @@ def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
     assert all(weights[i, t] > 0 for i, t in enumerate(expected.tolist()))
 
 
+@pytest.mark.parametrize("k", [4, 3])
+@pytest.mark.parametrize("lookup", [False, True])
+def test_race_top_k_is_the_torch_race(k, lookup):
+    """The one-pass top k (tree drafts' children) finds torch's: the same k tokens, best
+    first, at the same log-softmax scores, for greedy rows and for rows racing at their
+    temperature (two rows a request, a greedy one among them; three blocks of vocabulary,
+    the last ragged; k not a power of two; a drafter's draft-to-target ids); tied scores
+    go to the first index. Each racing row's first is what `sample_from_probs` draws."""
+    from tidal.layers import sampler
+
+    torch.manual_seed(0)
+    vocab, requests, group = 2500, 5, 2
+    logits = torch.randn(requests * group, vocab) * 3
+    logits[2, 9] = logits[2, 2000] = 50.0  # a tie at the top, in two blocks
+    ids = torch.randperm(40_000)[:vocab] if lookup else None
+    temperature = torch.tensor([0.7, 0.0, 1.0, 1.5, 0.3])
+    seeds, counters = torch.arange(requests) * 7919 + 2**40, torch.arange(requests) + 3
+    for race in (False, True):
+        args = (temperature, seeds, counters) if race else ()
+        want_values, want_ids = sampler.race_top_k(logits, k, *args, lookup=ids)
+        keys = sampler._row_keys(seeds, counters, sampler.STREAM_SAMPLE) if race else None
+        values, index = fused.race_top_k(logits, k, temperature if race else None, keys, ids)
+        assert torch.equal(index.sort(1).values, want_ids.sort(1).values)
+        assert torch.equal(index[:, 2:], want_ids[:, 2:])  # (the tie aside, in torch's order)
+        torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
+        tie = [9, 2000] if ids is None else ids[[9, 2000]].tolist()
+        assert index[2, :2].tolist() == tie  # row 2 is greedy (request 1: temperature 0) when racing too
+    if not lookup:
+        hot = temperature.repeat_interleave(group) > 0
+        probs = torch.softmax(logits / temperature.clamp(min=0.01).repeat_interleave(group)[:, None], -1)
+        drawn = sampler.sample_from_probs(probs, seeds.repeat_interleave(group), counters.repeat_interleave(group))
+        assert torch.equal(want_ids[hot, 0], drawn[hot])
+
+
 @pytest.mark.parametrize("unit", [False, True])
 def test_row_keys_are_the_samplers(unit):
     """The one-kernel hash gives `sampler`'s keys and uniforms bit for bit: 63-bit seeds,

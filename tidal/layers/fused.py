@@ -460,6 +460,80 @@ def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _first_best(probs, keys)
 
 
+@triton.jit(do_not_specialize=["stride", "V", "group"])
+def _race_top_k_kernel(x_ptr, temperature_ptr, keys_ptr, lookup_ptr, values_ptr, index_ptr, stride, V, group,
+                       K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, RACE: tl.constexpr,
+                       LOOKUP: tl.constexpr):
+    """Program row: `sampler.race_top_k` of x[row] in one pass, its race drawn with the key
+    and temperature of request row // group. A running top K (best first, ties to the
+    first index) takes in a block's best only when they beat its last, and a running
+    log-sum-exp normalises the scores at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, K_PAD)
+    top = tl.full([K_PAD], float("-inf"), tl.float32)  # (slots past K: -inf, after the others on ties)
+    top_index = tl.zeros([K_PAD], dtype=tl.int32)
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    if RACE:
+        t = tl.load(temperature_ptr + row // group)
+        key = tl.load(keys_ptr + row // group).to(tl.uint32)
+    for start in range(0, V, BLOCK):
+        v = start + tl.arange(0, BLOCK)
+        mask = v < V
+        score = tl.load(x_ptr + row * stride + v, mask=mask, other=float("-inf")).to(tl.float32)
+        if RACE:
+            if t > 0:
+                col = tl.load(lookup_ptr + v, mask=mask, other=0) if LOOKUP else v
+                h = _mix32(key ^ _mix32(col.to(tl.uint32)))
+                u = ((h >> 9).to(tl.float32) + 0.5) * (2.0 ** -23)
+                score = tl.where(mask, score / t - tl.log(-tl.log(u)), float("-inf"))
+        best = tl.max(score, axis=0)
+        grown = tl.maximum(m, best)
+        total = total * tl.exp(m - grown) + tl.sum(tl.exp(score - grown), axis=0)
+        m = grown
+        if best > tl.min(tl.where(slots < K, top, float("inf")), axis=0):
+            # Merge the block's best K into the running top: K rounds, each taking the larger
+            # head of the two lists (the running one on ties: its indices come first).
+            merged = tl.zeros([K_PAD], dtype=tl.float32)
+            merged_index = tl.zeros([K_PAD], dtype=tl.int32)
+            for i in tl.static_range(K):
+                head = tl.max(top, axis=0)
+                block_head = tl.max(score, axis=0)
+                if head >= block_head:
+                    at = tl.min(tl.where(top == head, slots, K_PAD), axis=0)
+                    taken = tl.sum(tl.where(slots == at, top_index, 0), axis=0)
+                    top = tl.where(slots == at, float("-inf"), top)
+                    value = head
+                else:
+                    taken = tl.min(tl.where(score == block_head, v, V), axis=0)
+                    score = tl.where(v == taken, float("-inf"), score)
+                    value = block_head
+                merged = tl.where(slots == i, value, merged)
+                merged_index = tl.where(slots == i, taken, merged_index)
+            top = tl.where(slots < K, merged, float("-inf"))
+            top_index = merged_index
+    if LOOKUP:
+        top_index = tl.load(lookup_ptr + top_index, mask=slots < K, other=0)
+    tl.store(values_ptr + row * K + slots, top - (m + tl.log(total)), mask=slots < K)
+    tl.store(index_ptr + row * K + slots, top_index.to(tl.int64), mask=slots < K)
+
+
+def race_top_k(x: torch.Tensor, k: int, temperature: torch.Tensor | None, keys: torch.Tensor | None,
+               lookup: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sampler.race_top_k` in one kernel: x [N, V], temperature [R] and keys [R] of R
+    requests of N / R rows each (None: no race, every row greedy). Returns values [N, k]
+    float32 and indices [N, k] int64."""
+    n, v = x.shape
+    values = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    index = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    if n:
+        race = keys is not None
+        _race_top_k_kernel[(n,)](x, temperature if race else x, keys if race else x, x if lookup is None else lookup,
+                                 values, index, x.stride(0), v, n // len(keys) if race else 1, K=k,
+                                 K_PAD=triton.next_power_of_2(k), BLOCK=1024, RACE=race, LOOKUP=lookup is not None)
+    return values, index
+
+
 _ROW_KEYS_BLOCK = 256
 
 

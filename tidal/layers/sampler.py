@@ -219,6 +219,36 @@ def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.
     return (probs / -torch.log(_vocab_uniform(keys, probs.shape[-1]))).argmax(-1)
 
 
+def race_top_k(logits: torch.Tensor, k: int, temperature: torch.Tensor | None = None,
+               seeds: torch.Tensor | None = None, counters: torch.Tensor | None = None,
+               lookup: torch.Tensor | None = None, stream: int = STREAM_SAMPLE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best tokens of each row of logits [N, V] and their log-softmax scores, best
+    first: scores log_softmax(logits) for a greedy row; for a row of temperature T > 0, of
+    the Gumbel race logits / T + g, g = -log(-log(u)), u the uniform of the row's (seed,
+    counter) at each token (the race `sample_from_probs` runs, so its first is that draw).
+    temperature, seeds and counters [R] hold R requests' (None: every row greedy), each the
+    N / R rows that follow; `lookup` maps indices to the token ids the noise and the result
+    use. On CUDA one kernel (`fused.race_top_k`) where torch makes a dozen passes over [N, V]."""
+    race = temperature is not None
+    if logits.is_cuda:
+        from tidal.layers import fused
+
+        keys = _row_keys(seeds, counters, stream) if race else None
+        values, index = fused.race_top_k(logits, k, temperature, keys, lookup)
+    else:
+        scores = torch.log_softmax(logits.float(), dim=-1)
+        if race:
+            group = logits.shape[0] // len(temperature)
+            temperature = temperature.repeat_interleave(group)
+            hot = temperature > 0
+            noise = hash_uniform_vocab(seeds.repeat_interleave(group), counters.repeat_interleave(group), stream,
+                                       logits.shape[-1], lookup)
+            race_scores = logits.float() / torch.where(hot, temperature, 1.0)[:, None] - torch.log(-torch.log(noise))
+            scores = torch.where(hot[:, None], torch.log_softmax(race_scores, dim=-1), scores)
+        values, index = scores.topk(k, dim=-1)
+    return values, index if lookup is None else lookup[index]
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
     """Next token per row [N] int64: argmax for greedy rows, else an exact sample from
     processed_probs. counters [N] int64: index of the output token being sampled."""

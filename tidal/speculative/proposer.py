@@ -25,7 +25,7 @@ import torch
 
 from tidal.batch import ForwardBatch, to_device, to_device_parts, with_device_tails
 from tidal.graphs import CudaGraphs, forward_rows
-from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, hash_uniform_vocab, sample_from_probs
+from tidal.layers.sampler import STREAM_SAMPLE, greedy_tokens, race_top_k, sample_from_probs
 from tidal.speculative.tree import Tree
 from tidal.step import Ahead, Drafts, Span, StepPlan
 
@@ -144,10 +144,15 @@ class ChainDrafter(ABC):
             for sampled in (False, True):
                 self._catch_up(batch, self.dummy_state(batch.num_tokens, True), sampled)
             self.forward(batch, self.dummy_state(batch.num_tokens, False))
-        if self.draft_ids is not None:
-            from tidal.layers import fused
+        from tidal.layers import fused
 
+        if self.draft_ids is not None:
             fused.build_argmax_variants(len(self.draft_ids), runner.device, self.draft_ids)
+        if self.topk > 1:  # a tree's children, greedy and raced (`_children`; eager growths too)
+            one = torch.zeros(1, dtype=torch.int64, device=runner.device)
+            for race in (False, True):
+                fused.race_top_k(self.tree_logits[:1], self.topk, self.temperature[:1] if race else None,
+                                 one if race else None, self.draft_ids)
         torch.cuda.synchronize(runner.device)
         if not runner.config.enforce_eager:
             self.capture_graphs()
@@ -531,20 +536,14 @@ class ChainDrafter(ABC):
         the tree has the shape a drafter that knew them would grow. logits [rows * group,
         V_draft], a row's fed nodes together."""
         group = logits.shape[0] // rows
-        keys = torch.log_softmax(logits.float(), dim=-1)
         if sampled:
-            temperature = self.temperature[:rows].repeat_interleave(group)
-            hot = temperature > 0
-            noise = hash_uniform_vocab(self.seeds[:rows].repeat_interleave(group),
-                                       self.counters[:rows].repeat_interleave(group) + d, STREAM_SAMPLE,
-                                       self.vocab_size, self.draft_ids)
-            race = logits.float() / torch.where(hot, temperature, 1.0)[:, None] - torch.log(-torch.log(noise))
-            keys = torch.where(hot[:, None], torch.log_softmax(race, dim=-1), keys)
-        best = keys.topk(self.topk, dim=-1)
-        ids = best.indices if self.draft_ids is None else self.draft_ids[best.indices]
+            values, ids = race_top_k(logits, self.topk, self.temperature[:rows], self.seeds[:rows],
+                                     self.counters[:rows] + d, self.draft_ids)
+        else:
+            values, ids = race_top_k(logits, self.topk, lookup=self.draft_ids)
         simulated = self.tree_simulated[:rows].repeat_interleave(group, 0)
         sibling = simulated[:, -1:]
         odds = torch.where(sibling >= 0, torch.log(simulated[:, min(d, simulated.shape[1] - 2), None]
                                                    * sibling ** torch.arange(self.topk, device=logits.device)),
-                           best.values)
+                           values)
         return odds.clamp(min=-1e4), ids
