@@ -127,7 +127,7 @@ def main():
         def loaded(label, spec):
             llm = LLM(model=str(model_dir), speculative_config=spec, **{**common, "max_num_seqs": args.rows})
             prompts = random_prompts(args.rows, 128, shape["vocab_size"], seed=4)
-            results["loaded"][label] = where_time_goes(llm, prompts, top_kernels=12, params=lambda n: SamplingParams(
+            results["loaded"][label] = where_time_goes(llm, prompts, top_kernels=24, params=lambda n: SamplingParams(
                 temperature=0.7, max_tokens=n, ignore_eos=True, seed=0))
             del llm
             free_memory()
