@@ -10,7 +10,9 @@ import pytest
 from checkpoints import make_eagle3_checkpoint
 from tidal import LLM, SamplingParams
 from tidal.compiles import CompileWatch
-from tidal.profiling import largest_step_pages, plan_pages, run_largest_steps
+from tidal import profiling
+from tidal.config import SpecConfig
+from tidal.profiling import largest_step_pages, measure_costs, plan_pages, run_largest_steps
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13], list(range(20, 60))]
@@ -53,6 +55,36 @@ def test_the_cost_profile_is_kept_for_the_same_shapes(checkpoint, tmp_path, monk
     assert (again.grid == first.grid).all() and again.catch_up_token == first.catch_up_token
     assert other.source.startswith("profile:")  # another K: another grid
     assert len(list((tmp_path / "cache").glob("costs-*.json"))) == 2
+
+
+def test_the_profile_prices_drafting_at_every_batch_size_before_wider_steps(monkeypatch):
+    """Out of time, the profile has measured width 2 (K = 1) and the drafter's one pass at
+    every batch size, up to 256, before any wider step: the price of drafting at all is
+    measured at every load, not guessed. Each timing takes 10 ms of a 0.3 s budget here."""
+    from types import SimpleNamespace
+
+    clock, measured = [0.0], []
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+
+    def timed(fn, device, repeats=3):
+        clock[0] += 0.01
+        return 1e-3 * measured[-1][0] * measured[-1][1]
+
+    def plan(batch, context, k, runner, params=None, num_new=1):
+        measured.append((batch, 1 + k))
+        return None
+
+    monkeypatch.setattr(profiling, "timed", timed)
+    monkeypatch.setattr(profiling, "dummy_plan", plan)
+    spec = SpecConfig("eagle3", 5, model="unused", topk=4, num_draft_tokens=16)
+    runner = SimpleNamespace(page_size=16, num_pages=10_000, tree_drafts=False, device="cpu",
+                             config=SimpleNamespace(speculative_config=spec),
+                             model=SimpleNamespace(config=SimpleNamespace(vocab_size=100)))
+    measure_costs(runner, SimpleNamespace(bytes_per_page=0), 256, 16, 4096, seconds=0.3)
+    narrow = {(b, w) for b, w in measured if w <= 2}
+    assert {b for b, w in narrow if w == 2} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    first_wide = next(i for i, (b, w) in enumerate(measured) if w > 2)
+    assert all(w <= 2 for b, w in measured[:first_wide]) and len(measured) < 9 * 6 + 9 * 2
 
 
 def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog):

@@ -138,6 +138,38 @@ def test_short_of_pages_the_latest_arrival_is_preempted_and_drafts_never_preempt
     assert plan.requests == [first, second] and plan.draft_lens == [0, 2] and s.num_preemptions == 0
 
 
+def test_rows_times_the_width_stay_within_the_token_budget():
+    """Verification takes logits at every sampling row's width, 1 + the longest K: ten rows
+    under a budget of 64 tokens draft at most 5 each (60 logits rows), though the policy asks
+    16 and 10 + 16 tokens would fit the budget; one row alone drafts its 16."""
+    spec = SpecConfig("draft_model", 5, model="unused", topk=4, num_draft_tokens=16)
+    s = planner(k=16, spec=spec, budget=64, max_num_seqs=10)
+    reqs = [request(f"r{i}", 4) for i in range(10)]
+    for r in reqs:
+        s.add(r)
+    commit_all(s, s.schedule())
+    plan = s.schedule()
+    assert len(plan.requests) == 10 and plan.draft_lens == [5] * 10
+    assert len(plan.requests) * (1 + plan.max_draft_len) <= 64
+    commit_all(s, plan, accepted=[0] * 10)
+    assert all(len(r.pages) == -(-r.num_computed // PAGE) for r in reqs)  # the cut slots' pages back
+
+    s = planner(k=16, spec=spec, budget=64)
+    s.add(request("a", 4))
+    commit_all(s, s.schedule())
+    assert s.schedule().draft_lens == [16]
+
+    # Eight rows would draft 7 each (8 x 8 = 64; the last only the 5 left beside the whole
+    # prompt waiting); that prompt, admitted beside them, makes nine rows: 6 at most.
+    s = planner(k=16, spec=spec, budget=64, max_num_seqs=10)
+    for i in range(8):
+        s.add(request(f"r{i}", 4))
+    commit_all(s, s.schedule())
+    s.add(request("late", 2))
+    plan = s.schedule()
+    assert plan.num_new_tokens == [1] * 8 + [2] and plan.draft_lens == [6] * 7 + [5, 0]
+
+
 def test_waiting_prompts_that_fit_whole_go_before_drafts():
     s = planner(budget=16, k=4)
     a = request("a", 4)

@@ -108,6 +108,7 @@ class EngineCore:
             self.speculation.cost_model = cached_costs(cost_key(self.runner, proposer), lambda: measure_costs(
                 self.runner, proposer, config.max_num_seqs, spec.max_draft_len, self.max_model_len,
                 spec.profile_seconds))
+            logger.info("step costs: %s", self.speculation.cost_model.source)
         return capture_s
 
     def shutdown(self) -> None:

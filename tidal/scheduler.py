@@ -124,8 +124,9 @@ class Scheduler:
             if prompt_tokens is None:
                 prompt_tokens = self._whole_prompts(budget) or 0
             room = budget - prompt_tokens
+            widest = self.max_num_batched_tokens // max(len(requests), 1) - 1  # (`_fit_width`)
             for i, (req, end) in enumerate(zip(requests, ends)):
-                k = min(draft_lens.get(req.request_id, 0), room)
+                k = min(draft_lens.get(req.request_id, 0), room, widest)
                 need = pages_for(end + self.draft_slots[k], ps) - len(req.pages) if k else 0
                 if k and need <= free:
                     if need > 0:
@@ -136,7 +137,19 @@ class Scheduler:
                     budget -= k
         plan = StepPlan(requests, num_new_tokens, ks, note)
         self._admit(plan, budget, whole=in_flight is not None)
+        self._fit_width(plan)
         return plan
+
+    def _fit_width(self, plan: StepPlan) -> None:
+        """Every row that samples takes logits at the step's width, 1 + its longest K
+        (verification lays rows out [rows, width]), so rows x width must stay within the
+        token budget, the most the memory plan measured (`profiling.verify_rows`): drafts are
+        given no more than that, and prompts admitted after them cut the longest K (a tree's
+        best nodes are the longer tree's best; the pages of slots no longer used go back at
+        commit)."""
+        widest = self.max_num_batched_tokens // len(plan.requests) - 1
+        if max(plan.draft_lens, default=0) > widest:
+            plan.draft_lens[:] = [min(k, widest) for k in plan.draft_lens]
 
     def _after(self, in_flight: StepPlan) -> dict[Request, int]:
         """The requests that surely run on after the step `in_flight`, each with the most
