@@ -493,30 +493,6 @@ def test_cost_model_learns_the_price_of_catching_up():
     assert float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(drafting)
 
 
-def test_a_probe_whose_drafter_catches_up_teaches_the_price_of_its_shape():
-    """A drafting shape priced twice too dear (a profile that did not reach it) is never
-    chosen, so only probes can correct it, and a probe's drafter catches up on every token
-    it missed. With the catch-up pass timed apart, the rest of the probe's time corrects the
-    shape (and the pass the price of catching up); untimed, it could not. Mixed-K probe
-    steps under CUDA graphs are priced at the padded width."""
-    def dear(b, w):
-        return true_cost(b, w) * (2 if (b, w) == (64, 2) else 1)
-
-    for timed in (False, True):
-        model = CostModel.from_function(dear, *grid_axes(64, 4), padded=True, catch_up_fixed=0.003,
-                                        catch_up_token=1e-6)
-        catch_up = float(model.catch_up_time(10_000))
-        for _ in range(20):  # one row of 64 resumes drafting after 10,000 tokens, its pass 1.5x the profile's
-            model.observe(64, 1, 1, 1, 0, true_cost(64, 2) + 1.5 * catch_up, catch_up=10_000,
-                          catch_up_seconds=1.5 * catch_up if timed else None)
-        probe = float(model.step_time(64, 1, 1, 1, 0))
-        if timed:
-            assert probe == pytest.approx(true_cost(64, 2), rel=0.05)
-            assert float(model.catch_up_time(10_000)) == pytest.approx(1.5 * catch_up, rel=0.05)
-        else:
-            assert probe == pytest.approx(dear(64, 2), rel=1e-6)
-
-
 def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
     """A step whose drafter catches up over 10,000 tokens, or that carries a prompt chunk,
     is priced as such: neither raises the price of a plain decode step."""

@@ -42,9 +42,8 @@ A step that carries prefill chunks corrects only the prompt terms: the price of 
 compute-bound token when it has at least the tokens of the grid's largest shape, the fixed
 cost of its longest K otherwise. A smaller one's time is mostly fixed costs, which would
 teach the price their share per token (and make a draft beside a prompt look dear at
-higher loads; docs/design.md). One whose drafter catches up corrects the price of catching
-up (a scale on the profiled one) by its catch-up pass, timed apart, and the rest of its time
-as any step of its shape; where the pass was not timed apart, only the price of catching up.
+higher loads; docs/design.md). One whose drafter catches up corrects only the price of
+catching up (a scale on the profiled one).
 """
 
 from __future__ import annotations
@@ -180,32 +179,19 @@ class CostModel:
         return float(self.token_price[0])
 
     def observe(self, batch: int, num_drafts: int, max_draft: int, num_drafting: int, context: float,
-                seconds: float, prefill: int = 0, catch_up: int = 0, catch_up_seconds: float | None = None) -> float:
-        """Correct the model by this step's prediction error; returns the prediction.
-        `catch_up_seconds`: how long the drafter's catch-up pass took, timed apart (None where
-        it was not)."""
-        predicted = whole = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill,
-                                                 catch_up))
+                seconds: float, prefill: int = 0, catch_up: int = 0) -> float:
+        """Correct the model by this step's prediction error; returns the prediction."""
+        predicted = float(self.step_time(batch, num_drafts, max_draft, num_drafting, context, prefill, catch_up))
         if not self.correct_online:
             return predicted  # a model given as the truth (tests, simulations): it has no error
         self.num_observed += 1
         error = seconds - predicted
         if catch_up:
-            guess = float(self.catch_up_time(catch_up))
-            profiled = guess / self.catch_up_scale[0]
-            if catch_up_seconds is None:  # the whole miss is the catch-up's
-                if profiled > 0:
-                    self._learn(self.catch_up_scale, self.catch_up_weight, ((0, 1.0),),
-                                max(min(error, predicted) / profiled, -self.catch_up_scale[0]))
-                return predicted
+            profiled = float(self.catch_up_time(catch_up)) / self.catch_up_scale[0]
             if profiled > 0:
                 self._learn(self.catch_up_scale, self.catch_up_weight, ((0, 1.0),),
-                            max((catch_up_seconds - guess) / profiled, -self.catch_up_scale[0]))
-            # The rest of the step teaches what any step of its shape teaches: a probe (one row
-            # resuming drafting, after many K = 0 steps) is how a price not chosen since the
-            # profile gets corrected.
-            seconds, predicted = max(seconds - catch_up_seconds, 1e-6), predicted - guess
-            error = seconds - predicted
+                            max(min(error, predicted) / profiled, -self.catch_up_scale[0]))
+            return predicted
         if prefill:
             tokens = batch + num_drafts + prefill
             if self.token_weight[0] == 0:
@@ -218,10 +204,10 @@ class CostModel:
                     self.prompt_fixed[k] = self.prompt_fixed[:k].max(initial=0.0)
                 self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((k, 1.0),),
                             max(min(error, predicted), -self.prompt_fixed[k]))
-            return whole
+            return predicted
         # The error is a decode step's only: what the policy weighs is how decode steps of one
-        # K differ from those of another, and a step with prompts (whose time swings with
-        # what arrived) says nothing about that.
+        # K differ from those of another, and a step with prompts or a catch-up (whose time
+        # swings with what arrived) says nothing about that.
         miss = abs(predicted - seconds) / seconds
         typical = self.error if self.num_decodes else 1.0
         self.error = miss if self.num_decodes == 0 else 0.95 * self.error + 0.05 * miss
@@ -243,7 +229,7 @@ class CostModel:
         if measured:
             error = float(np.clip(error, -self.cell_step * predicted, self.cell_step * predicted))
         self._learn(self.grid, self.weight, cells, error)
-        return whole
+        return predicted
 
     def _learn(self, values, weights, targets, error, rate=None) -> float:
         """Move the interpolated targets toward `error`; returns how far the prediction moved."""

@@ -358,7 +358,7 @@ class Goodput:
         prefill = sum(plan.num_new_tokens) - len(decoding)
         context = sum(reqs[i].num_computed + 1 for i in decoding)
         predicted = self.cost.observe(len(decoding), sum(ks), max(ks), sum(k > 0 for k in ks), context,
-                                      step_time, prefill, decision.catch_up, catch_up_time)
+                                      step_time, prefill, decision.catch_up)
         self.predicted, self.observed = predicted, step_time
         if self.log:
             decision.log.update(policy=self.name, prefill=prefill, predicted_s=predicted,
