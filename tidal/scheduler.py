@@ -147,8 +147,8 @@ class Scheduler:
         given no more than that, and prompts admitted after them cut the longest K (a tree's
         best nodes are the longer tree's best; the pages of slots no longer used go back at
         commit)."""
-        widest = self.max_num_batched_tokens // len(plan.requests) - 1
-        if max(plan.draft_lens, default=0) > widest:
+        widest = self.max_num_batched_tokens // max(len(plan.requests), 1) - 1
+        if any(k > widest for k in plan.draft_lens):
             plan.draft_lens[:] = [min(k, widest) for k in plan.draft_lens]
 
     def _after(self, in_flight: StepPlan) -> dict[Request, int]:
