@@ -155,6 +155,7 @@ def test_rows_times_the_width_stay_within_the_token_budget():
     assert all(len(r.pages) == -(-r.num_computed // PAGE) for r in reqs)  # the cut slots' pages back
 
     s = planner(k=16, spec=spec, budget=64)
+    assert s.schedule().requests == []  # (nothing to fit)
     s.add(request("a", 4))
     commit_all(s, s.schedule())
     assert s.schedule().draft_lens == [16]
