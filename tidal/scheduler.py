@@ -147,7 +147,7 @@ class Scheduler:
         given no more than that, and prompts admitted after them cut the longest K (a tree's
         best nodes are the longer tree's best; the pages of slots no longer used go back at
         commit)."""
-        widest = self.max_num_batched_tokens // max(len(plan.requests), 1) - 1
+        widest = self.max_num_batched_tokens // max(len(plan.requests), 1) - 1  # (>= 0: a row takes a token)
         if any(k > widest for k in plan.draft_lens):
             plan.draft_lens[:] = [min(k, widest) for k in plan.draft_lens]
 
