@@ -13,7 +13,8 @@ batch 1; the cost of one step by tokens in it (M decode rows, and one row of wid
 a Llama-3.1-8B shape's; offline 256 x (128 in, 128 out) against transformers' generate in the
 same run (its run is cut at `--hf-seconds`; its decode rate excludes its prefill); where a
 batch-1 decode step's time goes (torch profiler: kernels, launches, GPU busy vs idle). Routing of
-random weights is near uniform, the worst case for the union of experts a step reads.
+random weights is near uniform, the worst case for the union of experts a step reads: the
+distinct experts a layer routes M random tokens to are reported beside the step costs.
 Sections run in that order and each is skipped once `--deadline` seconds have passed. Prints
 a table last; writes JSON to $OUT/moe_gpu.json.
 """
@@ -33,6 +34,7 @@ import torch
 from common import LLAMA_8B, QWEN3_30B_A3B, SMOKE, SMOKE_MOE, write_eagle_dir, write_model_dir
 from gpu_fastpath import decode_rate, free_memory, greedy, random_prompts, where_time_goes
 from tidal import LLM
+from tidal.layers.moe import SparseMoE
 from tidal.profiling import dummy_plan, random_tokens, timed
 from tidal.step import Drafts
 
@@ -124,6 +126,18 @@ def bytes_per_decode_step(model) -> dict:
             dense += size
     active = dense + experts * config.num_experts_per_tok / max(config.num_experts, 1)
     return {"dense_bytes": dense, "expert_bytes": experts, "active_bytes": active}
+
+
+def distinct_experts(model, tokens_list) -> dict:
+    """Distinct experts the first sparse layer routes M random tokens (unit-RMS hidden
+    states, as its norm hands them on) to, by M: the experts a step of M tokens reads."""
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE))
+    weight = moe.gate.weight
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    with torch.inference_mode():
+        return {m: int(moe.route(torch.randn(m, weight.shape[1], generator=gen, device=weight.device,
+                                             dtype=weight.dtype))[1].unique().numel())
+                for m in tokens_list}
 
 
 def step_costs(llm, context: int = 128) -> dict:
@@ -226,8 +240,10 @@ def main():
 
         def moe_plain():
             llm = LLM(model=str(moe_dir), **common)
+            model = llm.engine.core.runner.model
+            speed["moe_distinct_experts"] = distinct_experts(model, TOKENS_PER_STEP)
             llm.generate(one, greedy(8), use_tqdm=False)  # warm up
-            speed["moe_weights"] = bytes_per_decode_step(llm.engine.core.runner.model)
+            speed["moe_weights"] = bytes_per_decode_step(model)
             speed["moe_b1"] = decode_rate(llm, one, b1_tokens)
             speed["moe_b1_profile"] = where_time_goes(llm, one, top_kernels=24)
             speed["moe_step_s"] = step_costs(llm)
@@ -283,6 +299,9 @@ def main():
             rows.append((f"offline 256x(128,128) {key}: tidal / transformers",
                          f"{s['moe_offline'][key]:.0f} / {s['hf_offline'][key]:.0f} = "
                          f"{s['moe_offline'][key] / s['hf_offline'][key]:.1f}x"))
+    if "moe_distinct_experts" in s:
+        rows.append(("MoE distinct experts a layer reads, by tokens in the step (M: experts)",
+                     ", ".join(f"{m}: {n}" for m, n in s["moe_distinct_experts"].items())))
     for name in ("moe", "dense"):
         curve = s.get(f"{name}_step_s", {})
         for kind, points in curve.items():
