@@ -202,11 +202,11 @@ def test_race_top_k_is_the_torch_race(k, lookup):
         want_values, want_ids = sampler.race_top_k(logits, k, *args, lookup=ids)
         keys = sampler._row_keys(seeds, counters, sampler.STREAM_SAMPLE) if race else None
         values, index = fused.race_top_k(logits, k, temperature if race else None, keys, ids)
+        assert index[2, :2].tolist() == [9, 2000]  # row 2 is greedy (request 1: temperature 0) when racing too
+        index = index if ids is None else ids[index]  # (the kernel's indices are the logits')
         assert torch.equal(index.sort(1).values, want_ids.sort(1).values)
         assert torch.equal(index[:, 2:], want_ids[:, 2:])  # (the tie aside, in torch's order)
         torch.testing.assert_close(values, want_values, atol=1e-4, rtol=1e-5)
-        tie = [9, 2000] if ids is None else ids[[9, 2000]].tolist()
-        assert index[2, :2].tolist() == tie  # row 2 is greedy (request 1: temperature 0) when racing too
     if not lookup:
         hot = temperature.repeat_interleave(group) > 0
         probs = torch.softmax(logits / temperature.clamp(min=0.01).repeat_interleave(group)[:, None], -1)

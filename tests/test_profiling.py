@@ -8,9 +8,8 @@ import logging
 import pytest
 
 from checkpoints import make_eagle3_checkpoint
-from tidal import LLM, SamplingParams
+from tidal import LLM, SamplingParams, profiling
 from tidal.compiles import CompileWatch
-from tidal import profiling
 from tidal.config import SpecConfig
 from tidal.profiling import largest_step_pages, measure_costs, plan_pages, run_largest_steps
 
@@ -58,33 +57,40 @@ def test_the_cost_profile_is_kept_for_the_same_shapes(checkpoint, tmp_path, monk
 
 
 def test_the_profile_prices_drafting_at_every_batch_size_before_wider_steps(monkeypatch):
-    """Out of time, the profile has measured width 2 (K = 1) and the drafter's one pass at
-    every batch size, up to 256, before any wider step: the price of drafting at all is
-    measured at every load, not guessed. Each timing takes 10 ms of a 0.3 s budget here."""
+    """Out of time, the profile has measured the target's width 2 (K = 1) and the drafter's
+    one pass at every batch size, up to 256, before any wider step: the price of drafting at
+    all is measured at every load, not guessed. Each timing takes 10 ms of a 0.3 s budget."""
     from types import SimpleNamespace
 
-    clock, measured = [0.0], []
+    clock, timings, shape = [0.0], [], {}
     monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+
+    def plan(batch, context, k, runner, params=None, num_new=1):
+        shape.update(kind="drafter", batch=batch, width=1 + k)  # (the target's are told by their drafts)
+        return None
+
+    def drafts(tokens, lens, tree=None):
+        shape.update(kind="target", width=1 + lens[0])
 
     def timed(fn, device, repeats=3):
         clock[0] += 0.01
-        return 1e-3 * measured[-1][0] * measured[-1][1]
+        timings.append((shape.pop("kind", "target"), shape["batch"], shape["width"]))
+        return 1e-3 * shape["batch"] * shape["width"]
 
-    def plan(batch, context, k, runner, params=None, num_new=1):
-        measured.append((batch, 1 + k))
-        return None
-
-    monkeypatch.setattr(profiling, "timed", timed)
     monkeypatch.setattr(profiling, "dummy_plan", plan)
+    monkeypatch.setattr(profiling, "Drafts", drafts)
+    monkeypatch.setattr(profiling, "timed", timed)
     spec = SpecConfig("eagle3", 5, model="unused", topk=4, num_draft_tokens=16)
     runner = SimpleNamespace(page_size=16, num_pages=10_000, tree_drafts=False, device="cpu",
                              config=SimpleNamespace(speculative_config=spec),
                              model=SimpleNamespace(config=SimpleNamespace(vocab_size=100)))
     measure_costs(runner, SimpleNamespace(bytes_per_page=0), 256, 16, 4096, seconds=0.3)
-    narrow = {(b, w) for b, w in measured if w <= 2}
-    assert {b for b, w in narrow if w == 2} == {1, 2, 4, 8, 16, 32, 64, 128, 256}
-    first_wide = next(i for i, (b, w) in enumerate(measured) if w > 2)
-    assert all(w <= 2 for b, w in measured[:first_wide]) and len(measured) < 9 * 6 + 9 * 2
+    every = {1, 2, 4, 8, 16, 32, 64, 128, 256}
+    assert {b for kind, b, w in timings if kind == "target" and w == 2} == every
+    assert {b for kind, b, w in timings if kind == "drafter" and w == 2} == every
+    first_wide = next(i for i, (_, _, w) in enumerate(timings) if w > 2)
+    assert first_wide == 2 + 3 * len(every)  # (after the context cost's two: widths 1 and 2, the drafter's pass)
+    assert len(timings) < 2 + 9 * 6 + 9 * 2  # the budget cut the rest
 
 
 def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog):

@@ -124,7 +124,7 @@ class Scheduler:
             if prompt_tokens is None:
                 prompt_tokens = self._whole_prompts(budget) or 0
             room = budget - prompt_tokens
-            widest = self.max_num_batched_tokens // max(len(requests), 1) - 1  # (`_fit_width`)
+            widest = self._widest(len(requests))
             for i, (req, end) in enumerate(zip(requests, ends)):
                 k = min(draft_lens.get(req.request_id, 0), room, widest)
                 need = pages_for(end + self.draft_slots[k], ps) - len(req.pages) if k else 0
@@ -140,15 +140,20 @@ class Scheduler:
         self._fit_width(plan)
         return plan
 
+    def _widest(self, rows: int) -> int:
+        """The longest K a step of `rows` rows may draft. Every row that samples takes logits at
+        the step's width, 1 + its longest K (verification lays rows out [rows, width]), so
+        rows x width stays within the token budget, the most the memory plan measured
+        (`profiling.verify_rows`); every row counts, as any may sample. Never negative: a row
+        takes a token of the budget."""
+        return self.max_num_batched_tokens // max(rows, 1) - 1
+
     def _fit_width(self, plan: StepPlan) -> None:
-        """Every row that samples takes logits at the step's width, 1 + its longest K
-        (verification lays rows out [rows, width]), so rows x width must stay within the
-        token budget, the most the memory plan measured (`profiling.verify_rows`): drafts are
-        given no more than that, and prompts admitted after them cut the longest K (a tree's
-        best nodes are the longer tree's best; the pages of slots no longer used go back at
-        commit)."""
-        widest = self.max_num_batched_tokens // max(len(plan.requests), 1) - 1  # (>= 0: a row takes a token)
-        if any(k > widest for k in plan.draft_lens):
+        """Drafts are given no more than `_widest` of the rows planned before them; prompts
+        admitted after them cut the longest K to the plan's (a tree's best nodes are the
+        longer tree's best; the pages of slots no longer used go back at commit)."""
+        widest = self._widest(len(plan.requests))
+        if max(plan.draft_lens, default=0) > widest:
             plan.draft_lens[:] = [min(k, widest) for k in plan.draft_lens]
 
     def _after(self, in_flight: StepPlan) -> dict[Request, int]:

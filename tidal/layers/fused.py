@@ -465,9 +465,10 @@ def _race_top_k_kernel(x_ptr, temperature_ptr, keys_ptr, lookup_ptr, values_ptr,
                        K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, RACE: tl.constexpr,
                        LOOKUP: tl.constexpr):
     """Program row: `sampler.race_top_k` of x[row] in one pass, its race drawn with the key
-    and temperature of request row // group. A running top K (best first, ties to the
-    first index) takes in a block's best only when they beat its last, and a running
-    log-sum-exp normalises the scores at the end."""
+    and temperature of request row // group (with LOOKUP, at the token ids lookup[v]; the
+    indices stored are x's). A running top K (best first, ties to the first index) takes in
+    a block's best only when they beat its last, and a running log-sum-exp normalises the
+    scores at the end."""
     row = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, K_PAD)
     top = tl.full([K_PAD], float("-inf"), tl.float32)  # (slots past K: -inf, after the others on ties)
@@ -512,8 +513,6 @@ def _race_top_k_kernel(x_ptr, temperature_ptr, keys_ptr, lookup_ptr, values_ptr,
                 merged_index = tl.where(slots == i, taken, merged_index)
             top = tl.where(slots < K, merged, float("-inf"))
             top_index = merged_index
-    if LOOKUP:
-        top_index = tl.load(lookup_ptr + top_index, mask=slots < K, other=0)
     tl.store(values_ptr + row * K + slots, top - (m + tl.log(total)), mask=slots < K)
     tl.store(index_ptr + row * K + slots, top_index.to(tl.int64), mask=slots < K)
 
@@ -521,8 +520,9 @@ def _race_top_k_kernel(x_ptr, temperature_ptr, keys_ptr, lookup_ptr, values_ptr,
 def race_top_k(x: torch.Tensor, k: int, temperature: torch.Tensor | None, keys: torch.Tensor | None,
                lookup: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`sampler.race_top_k` in one kernel: x [N, V], temperature [R] and keys [R] of R
-    requests of N / R rows each (None: no race, every row greedy). Returns values [N, k]
-    float32 and indices [N, k] int64."""
+    requests of N / R rows each (None: no race, every row greedy); `lookup` gives the token
+    ids the race's noise is drawn at. Returns values [N, k] float32 and indices into x's
+    rows [N, k] int64 (the caller maps them through `lookup`)."""
     n, v = x.shape
     values = torch.empty(n, k, dtype=torch.float32, device=x.device)
     index = torch.empty(n, k, dtype=torch.int64, device=x.device)
