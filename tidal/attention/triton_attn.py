@@ -1,6 +1,6 @@
 """Triton paged attention (the GPU backend).
 
-Two kernels:
+Three kernels:
 - `_rotate_store_kernel` applies the rotary embedding to each token's q and k, and writes
   its k/v into the paged cache at its slot (-1 = skip).
 - `_attention_kernel` attends a block of query tokens of one request over its keys, read
@@ -9,10 +9,8 @@ Two kernels:
   visible. The query heads sharing a kv head are processed together (rows of the tile are
   (token, head) pairs), so K/V are loaded once per group. When there are too few programs
   to fill the GPU (decode, verification at small batch), the keys are split over several
-  programs (split-KV), each writing a partial output and its log-sum-exp; the last split
-  of a query block to finish (an atomic count) merges the partials of the splits that held
-  keys, so a split step is still one launch, and a short context merges few partials
-  however many splits the graph was captured with.
+  programs (split-KV), each writing a partial output and its log-sum-exp.
+- `_combine_kernel` merges those partials.
 
 Grids and split counts come from host ints only (shapes, `batch.max_query_len`,
 `batch.max_seq_len`); every per-request length is read on the device, and scratch buffers
@@ -33,7 +31,6 @@ import triton.language as tl
 from tidal.batch import ForwardBatch
 from tidal.compiles import watch as compile_watch
 from tidal.kv_cache import NULL_PAGE
-from tidal.layers.fused import arrival_counts
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 
@@ -142,19 +139,17 @@ def _attend_block(
 @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_os", "stride_ls"])
 def _attention_kernel(
     q_ptr, cache_ptr, page_table_ptr, query_start_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    merged_ptr, count_ptr, tree_mask_ptr, tree_start_ptr, qk_scale, num_splits,
+    tree_mask_ptr, tree_start_ptr, qk_scale, num_splits,
     stride_qt, stride_qh,
     stride_kv, stride_page, stride_slot, stride_head, stride_pt,
-    stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_mt, stride_mh,
+    stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
     SPLIT: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     """Program (query block x split, request, kv head). Tile row r is query token
     r // GROUP of the block with query head r % GROUP of this kv head's group. With TREE,
-    keys from the request's tree_start on are seen as its query tokens' masks say. With
-    SPLIT, out/lse take each split's partial and the last split to finish writes the
-    merged output to merged_ptr."""
+    keys from the request's tree_start on are seen as its query tokens' masks say."""
     q_block = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
@@ -208,37 +203,33 @@ def _attention_kernel(
 
     # A split may hold no key a row sees (l_i = 0): its partial is 0 with weight 0.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_off = (q_start + tok) * stride_ot + head * stride_oh
-    tl.store(out_ptr + split * stride_os + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+    out_off = split * stride_os + (q_start + tok) * stride_ot + head * stride_oh
+    tl.store(out_ptr + out_off[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
     if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        row_off = (q_start + tok) * stride_lt + head
-        tl.store(lse_ptr + split * stride_ls + row_off, lse, mask=row_ok)
-        tl.debug_barrier()  # the partial is written before the count moves
-        group = (q_block * tl.num_programs(1) + seq) * tl.num_programs(2) + kv_head
-        if tl.atomic_add(count_ptr + group, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            # Splits from cdiv(kv_end, split_len) on started past the last key: weight 0.
-            # Every row sees its own key, so some split's lse is finite; -1e30 keeps the
-            # first rescale finite.
-            m = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-            w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            merged = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for s in range(0, tl.cdiv(kv_end, split_len)):
-                s_lse = tl.load(lse_ptr + s * stride_ls + row_off, mask=row_ok, other=float("-inf"),
-                                cache_modifier=".cg")
-                s_out = tl.load(out_ptr + s * stride_os + out_off[:, None] + offs_d[None, :],
-                                mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, s_lse)
-                scale = tl.exp2(m - m_new)
-                w = tl.exp2(s_lse - m_new)
-                merged = merged * scale[:, None] + s_out * w[:, None]
-                w_sum = w_sum * scale + w
-                m = m_new
-            merged = merged / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
-            tl.store(merged_ptr + (q_start + tok)[:, None] * stride_mt + head[:, None] * stride_mh
-                     + offs_d[None, :], merged.to(merged_ptr.dtype.element_ty), mask=row_ok[:, None])
-            tl.atomic_xchg(count_ptr + group, 0)
+        tl.store(lse_ptr + split * stride_ls + (q_start + tok) * stride_lt + head, lse,
+                 mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_ps", "stride_ls"])
+def _combine_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, head): weight each split's partial by exp2(lse)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = splits < num_splits
+    lse = tl.load(lse_ptr + splits * stride_ls + t * stride_lt + h, mask=ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(part_ptr + splits[:, None] * stride_ps + t * stride_pt + h * stride_ph
+                   + offs_d[None, :], mask=ok[:, None], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -360,30 +351,37 @@ def paged_attention(
     cfg = config or choose_config(batch, num_heads, num_kv_heads, head_dim, q.dtype, q.device)
     block_q = cfg.block_m // group
     split = cfg.num_splits > 1
-    q_blocks = triton.cdiv(batch.max_query_len, block_q)
     if split:
         part = torch.empty((cfg.num_splits, num_tokens, num_heads, head_dim),
                            dtype=torch.float32, device=q.device)
         lse = torch.empty((cfg.num_splits, num_tokens, num_heads), dtype=torch.float32,
                           device=q.device)
-        dst, counts = part, arrival_counts(q.device, q_blocks * batch.num_seqs * num_kv_heads)
+        dst = part
     else:
-        dst, lse, counts = out.unsqueeze(0), out, out  # lse and counts are unused without splits
-    grid = (q_blocks * cfg.num_splits, batch.num_seqs, num_kv_heads)
+        dst, lse = out.unsqueeze(0), out  # lse is unused without splits
+    grid = (triton.cdiv(batch.max_query_len, block_q) * cfg.num_splits, batch.num_seqs,
+            num_kv_heads)
     tree = batch.tree_mask is not None
     _attention_kernel[grid](
-        q, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, dst, lse, out, counts,
+        q, kv_cache, batch.page_table, batch.query_start_loc, batch.seq_lens, dst, lse,
         batch.tree_mask if tree else batch.slot_mapping, batch.tree_start if tree else batch.seq_lens,
         scale * _LOG2E, cfg.num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         batch.page_table.stride(0),
-        dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        dst.stride(0), dst.stride(1), dst.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_Q=block_q, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split:
+        _combine_kernel[(num_tokens, num_heads)](
+            part, lse, out, cfg.num_splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(_MAX_SPLITS),  # one variant for every split count
+        )
     return out
 
 
