@@ -81,6 +81,8 @@ def main():
     ap.add_argument("--chains", type=int, nargs="+", default=[3, 4, 5, 6], help="chain lengths K to time")
     ap.add_argument("--rows", type=int, default=64, help="requests in the profiled steps under load")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds after which sections are skipped")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "batch1", "loaded"],
+                    help="groups of sections not to run")
     args = ap.parse_args()
     begin = time.perf_counter()
     device = "cpu" if args.smoke else "cuda"
@@ -95,7 +97,10 @@ def main():
     common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
                   max_model_len=1024, max_num_seqs=4)
 
-    def section(name, fn):
+    def section(name, fn, group):
+        if group in args.skip:
+            results["skipped"].append(name)
+            return
         if time.perf_counter() - begin > args.deadline:
             results["skipped"].append(name)
             print(f"[{name}] skipped: past the deadline", flush=True)
@@ -132,18 +137,18 @@ def main():
             del llm
             free_memory()
 
-        section("correctness", lambda: check_correctness(device, results))
-        section("plain", lambda: b1("plain", None))
+        section("correctness", lambda: check_correctness(device, results), "correctness")
+        section("plain", lambda: b1("plain", None), "batch1")
         eagle = {"method": "eagle3", "model": str(head_dir), "policy": "fixed"}
         for k in args.chains:
             section(f"chain K={k}", lambda k=k: b1(f"chain K={k}", {
-                **eagle, "num_speculative_tokens": k, "simulate_acceptance": args.rate}, profiled=k == 5))
+                **eagle, "num_speculative_tokens": k, "simulate_acceptance": args.rate}, profiled=k == 5), "batch1")
         for sibling in args.siblings:
             for topk, depth, nodes in TREES:
                 label = f"tree {topk}x{depth}, {nodes} nodes, sibling {sibling}"
                 section(label, lambda label=label, topk=topk, depth=depth, nodes=nodes, sibling=sibling: b1(label, {
                     **eagle, "num_speculative_tokens": depth, "topk": topk, "num_draft_tokens": nodes,
-                    "simulate_acceptance": {"mean": args.rate, "sibling": sibling}}, profiled=nodes == 16))
+                    "simulate_acceptance": {"mean": args.rate, "sibling": sibling}}, profiled=nodes == 16), "batch1")
 
         for engine, shape_of in (("chain", {"num_speculative_tokens": 2}),
                                  ("tree", {"num_speculative_tokens": 5, "topk": 4, "num_draft_tokens": 16})):
@@ -151,7 +156,7 @@ def main():
                 label = f"{engine} engine, K = {k}"
                 section(label, lambda label=label, spec={**eagle, **shape_of, "policy": "table", "table": {"1": k},
                                                         "simulate_acceptance": {"mean": args.rate, "sibling": 0.3}
-                                                        if engine == "tree" else args.rate}: loaded(label, spec))
+                                                        if engine == "tree" else args.rate}: loaded(label, spec), "loaded")
 
     (out_dir / "trees_gpu.json").write_text(json.dumps(results, indent=1))
     b1_rates = results["b1"]
