@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
@@ -75,8 +76,10 @@ def decode_rate(llm, prompts, new_tokens, params=None):
     last = max(o.metrics["finish_time"] for o in outs)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_tokens = tokens - len(outs)
+    digest = hashlib.sha1(str([o.outputs[0].token_ids for o in outs]).encode()).hexdigest()[:12]
     result = {"tokens": tokens, "seconds": total, "tok_s": tokens / total,
-              "decode_tok_s": decode_tokens / max(last - first, 1e-9)}
+              "decode_tok_s": decode_tokens / max(last - first, 1e-9),
+              "tokens_sha1": digest}  # equal digests: two builds' outputs were token for token the same
     if outs[0].metrics.get("spec", {}).get("num_steps"):
         result["spec_first_request"] = outs[0].metrics["spec"]  # the timed run's own acceptance
     return result

@@ -31,6 +31,7 @@ import triton.language as tl
 from tidal.batch import ForwardBatch
 from tidal.compiles import watch as compile_watch
 from tidal.kv_cache import NULL_PAGE
+from tidal.layers.fused import after_previous, pdl_args
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 
@@ -45,7 +46,7 @@ def _rotate_store_kernel(
     s_cs, sq0, sq1, sk0, sk1, sv0, sv1, sqo0, sqo1,
     stride_kv, stride_page, stride_slot, stride_head,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token, head) over the query heads, then the kv heads: a query head is
     (normed and) rotated into the output; a kv head's key is (normed and) rotated and stored
@@ -53,6 +54,7 @@ def _rotate_store_kernel(
     its weights (q's or k's), rounded as `RMSNorm` rounds. The neox rotation [x1 cos - x2 sin,
     x2 cos + x1 sin] runs in float32 and is stored in the input dtype, as `RotaryEmbedding`
     does."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, HALF)
@@ -145,11 +147,12 @@ def _attention_kernel(
     stride_os, stride_ot, stride_oh, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query block x split, request, kv head). Tile row r is query token
     r // GROUP of the block with query head r % GROUP of this kv head's group. With TREE,
     keys from the request's tree_start on are seen as its query tokens' masks say."""
+    after_previous(PDL)
     q_block = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     seq = tl.program_id(1)
@@ -216,9 +219,10 @@ def _attention_kernel(
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (token, head): weight each split's partial by exp2(lse)."""
+    after_previous(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -322,7 +326,7 @@ def rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache
         q_out.stride(0), q_out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2], ROTATE=rotate,
-        NORM=qk_norm is not None, num_warps=1,
+        NORM=qk_norm is not None, num_warps=1, **pdl_args(q.device),
     )
     return q_out
 
@@ -373,7 +377,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_Q=block_q, SPLIT=split,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TREE=tree,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q.device),
     )
     if split:
         _combine_kernel[(num_tokens, num_heads)](
@@ -381,6 +385,7 @@ def paged_attention(
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, SPLITS_PAD=_next_pow2(_MAX_SPLITS),  # one variant for every split count
+            **pdl_args(q.device),
         )
     return out
 

@@ -30,6 +30,37 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+# ---------------------------------------------------------------------------- launch overlap
+
+
+@functools.lru_cache(maxsize=None)
+def pdl(device: torch.device) -> bool:
+    """Whether the decoder's kernels on `device` use programmatic dependent launch (CUDA,
+    compute capability 9 on): each is launched while the kernel before it still runs, loads
+    its weights, and waits (`after_previous`) before it reads anything a kernel wrote. At
+    batch 1 a layer is ten short launches, and without it the GPU idled between them and
+    each kernel's first weight reads waited on its launch."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch arguments of a kernel that calls `after_previous`."""
+    overlap = pdl(device)
+    return {"PDL": overlap, "launch_pdl": overlap}
+
+
+@triton.jit
+def after_previous(PDL: tl.constexpr):
+    """Wait until the kernel launched before this one has finished and its writes are
+    visible, then let the next one launch. Every program calls it before it reads or writes
+    anything but its weights (tensors no kernel writes) and before it may return: then a
+    kernel finishes after the one before it, so when the next one launches, every kernel
+    before this one has finished."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 # ---------------------------------------------------------------------------- RMSNorm
 
 
@@ -38,7 +69,7 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     sx0, sx1, sx2, sr0, sr1, sr2, so0, so1, ss0, ss1,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row (i, j) of a [A, B, N] view: out = w * (s * rstd(s)).to(dtype),
     where s = x (+ residual, rounded to the sum's dtype, also written to sum_ptr)."""
@@ -46,6 +77,8 @@ def _rms_norm_kernel(
     j = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    after_previous(PDL)
     x = tl.load(x_ptr + i * sx0 + j * sx1 + offs * sx2, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + i * sr0 + j * sr1 + offs * sr2, mask=mask, other=0.0)
@@ -56,7 +89,6 @@ def _rms_norm_kernel(
     h = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     h = (h * rstd).to(s.dtype).to(tl.float32)  # torch casts back to x.dtype before scaling
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + i * so0 + j * so1 + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -95,7 +127,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x3, r3, weight, o3, s3,
         *x3.stride(), *r3.stride(), o3.stride(0), o3.stride(1), s3.stride(0), s3.stride(1),
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), **pdl_args(x.device),
     )
     return out if residual is None else (out, s)
 
@@ -192,12 +224,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, K, N, stride_w,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """One token's product with W [N (x2 when GATED), K]: program n computes its BLOCK_N
     outputs over the whole of K, streaming its rows of W once in float32 FMAs (no split-K,
     so no reduction kernel after it). With GATED, W is [gate | up] and the output
     silu(g) * u, g and u rounded to the output dtype first, as the product followed by
     SiluAndMul rounds them."""
+    after_previous(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
@@ -242,6 +276,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, block_n: in
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, k, n, weight.stride(0),
         GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
+        **pdl_args(x.device),
     )
     return out
 
@@ -249,12 +284,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, block_n: in
 @triton.jit
 def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, normed_ptr, K, N, stride_w, eps,
                       HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """`_rms_norm_kernel`'s residual add and norm of one token, then the `_gemv_kernel`
     product of the normed row with ROWS rows of W (the whole of K in one tile). Each program
     recomputes the norm, since no program can wait for another's; its rows of W are loaded
-    first, so that their reads overlap the norm. Program 0 writes the sum and the normed row
-    (to fresh tensors: the others still read x and the residual)."""
+    first, so that their reads overlap the norm (and, launched early, the kernel before).
+    Program 0 writes the sum and the normed row (to fresh tensors: the others still read x
+    and the residual)."""
     pid = tl.program_id(0)
     rn = pid * ROWS + tl.arange(0, ROWS)
     rk = tl.arange(0, BLOCK_K)
@@ -265,6 +301,8 @@ def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, sum_ptr
     w = tl.load(rows, mask=mask, other=0.0)
     if GATED:
         w_up = tl.load(rows + N.to(tl.int64) * stride_w, mask=mask, other=0.0)
+    norm_w = tl.load(norm_w_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
+    after_previous(PDL)
     x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + rk, mask=k_ok, other=0.0)
@@ -274,7 +312,6 @@ def _norm_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, b_ptr, out_ptr, sum_ptr
     h = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
     dtype = out_ptr.dtype.element_ty
-    norm_w = tl.load(norm_w_ptr + rk, mask=k_ok, other=0.0).to(tl.float32)
     normed = (norm_w * (h * rstd).to(s.dtype).to(tl.float32)).to(dtype)  # rounded as RMSNorm rounds
     if pid == 0:
         tl.store(normed_ptr + rk, normed, mask=k_ok)
@@ -326,7 +363,7 @@ def norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch
         x, x if residual is None else residual, norm_weight, weight, out if bias is None else bias, out, stream,
         normed, k, n, weight.stride(0), eps,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, GATED=gated, ROWS=rows,
-        BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps,
+        BLOCK_K=triton.next_power_of_2(k), num_warps=num_warps, **pdl_args(x.device),
     )
     return out, normed, stream
 

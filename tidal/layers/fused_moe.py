@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tidal.layers.fused import after_previous, pdl_args
+
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
@@ -31,12 +33,13 @@ def _grouped_gemm_kernel(
     num_pairs, pairs_per_a_row, num_experts, N, K,
     sa_row, sa_k, sw_e, sw_n, sw_k, so_row, so_n,
     GATED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (block, n-tile): out[pair, n] for the block's pairs, with pair's input row
     a[pair // pairs_per_a_row] and the weights w[expert] [N(, +N), K] of the block's expert.
     GATED: silu(a @ w[:N].T) * (a @ w[N:2N].T), the gate and up tiles computed side by side;
     else (a @ w.T) * topk_weights[pair]. Accumulates in float32; stores in out's dtype."""
+    after_previous(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     if expert >= num_experts:  # a surplus block: fewer are needed than the shape-bound grid has
@@ -108,8 +111,9 @@ def _count(ids_ptr, start, end, experts, TILE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr,
-                  TILE: tl.constexpr):
+                  TILE: tl.constexpr, PDL: tl.constexpr):
     """Program c: chunk_counts[c, e] = how many of the pairs [c * CHUNK, +CHUNK) go to expert e."""
+    after_previous(PDL)
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     end = tl.minimum(chunk * CHUNK + CHUNK, num_pairs)
@@ -121,13 +125,14 @@ def _place_kernel(
     ids_ptr, chunk_counts_ptr, pair_ids_ptr, block_expert_ptr,
     num_pairs, num_experts, num_chunks, num_rows,
     BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, TILE: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program p: writes the pairs of chunk p (if any) to their rows, in pair order within each
     expert, after the expert's pairs of earlier chunks; and for rows [p * TILE, +TILE) the
     padding (num_pairs) and each block's expert (num_experts past the last block in use).
     Every program sums the chunk counts itself, so no scan runs between the launches; with
     one chunk it counts the pairs itself, which saves the count launch at decode."""
+    after_previous(PDL)
     p = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     if ONE_CHUNK:
@@ -183,21 +188,25 @@ def _group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     pair_ids = torch.empty(num_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_rows // block_m, dtype=torch.int32, device=device)
     if num_chunks > 1:
-        _count_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, CHUNK=_CHUNK, BLOCK_E=block_e, TILE=tile)
+        _count_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, CHUNK=_CHUNK, BLOCK_E=block_e, TILE=tile,
+                                     **pdl_args(device))
     _place_kernel[(max(num_chunks, triton.cdiv(num_rows, tile)),)](
         ids, chunk_counts, pair_ids, block_expert,
         num_pairs, num_experts, num_chunks, num_rows,
         BLOCK_M=block_m, CHUNK=_CHUNK, BLOCK_E=block_e, TILE=tile, ONE_CHUNK=num_chunks == 1,
+        **pdl_args(device),
     )
     return pair_ids, block_expert
 
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, s_row,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PDL: tl.constexpr):
     """Program t: the k largest of softmax(logits[t]) in float32, in descending order, and
     their experts. The experts are picked on the logits (softmax keeps their order), the
     first of equal ones first, so the choice does not hang on the probabilities' rounding."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + t * s_row + experts, mask=experts < num_experts,
@@ -230,7 +239,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
         _route_kernel[(num_tokens,)](
             logits, weights, ids, num_experts, logits.stride(0),
             TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-            RENORMALIZE=renormalize,
+            RENORMALIZE=renormalize, **pdl_args(logits.device),
         )
     return weights, ids
 
@@ -244,12 +253,13 @@ def _route_group_kernel(
     logits_ptr, weights_ptr, ids_ptr, pair_ids_ptr, block_expert_ptr,
     num_tokens, num_experts, num_rows, s_row,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr,
+    TOKENS: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: `_route_kernel` for every token (TOKENS at a time), then `_place_kernel`'s
     layout of the pairs by expert, read back from the ids it wrote. Padding rows are written
     expert by expert, and a block's expert block by block; rows of blocks past the last in use
     are left unwritten (the GEMMs skip those blocks)."""
+    after_previous(PDL)
     experts = tl.arange(0, BLOCK_E)
     slots = tl.arange(0, BLOCK_K)
     for t0 in range(0, num_tokens, TOKENS):
@@ -316,6 +326,7 @@ def _route_and_group(logits: torch.Tensor, top_k: int, renormalize: bool, num_ex
         num_tokens, num_experts, num_rows, logits.stride(0),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
         TOKENS=max(1, 1024 // block_e), BLOCK_M=block_m, TILE=max(16, min(64, 4096 // block_e)),
+        **pdl_args(device),
     )
     return weights, ids, pair_ids, block_expert
 
@@ -324,9 +335,10 @@ _SUM_BLOCK = 512
 
 
 @triton.jit
-def _sum_slots_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(x_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (t, h-tile): out[t, h] = sum_j x[t * TOP_K + j, h], added in float32 (torch's
     reduction over the middle dim of [T, k, H] suits long rows, not k short ones)."""
+    after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -386,15 +398,16 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
         x, w13, h, pair_ids, block_expert, weights,
         num_pairs, top_k, num_experts, inter, hidden,
         *x.stride(), *w13.stride(), *h.stride(),
-        GATED=True, DOT_PRECISION=precision, **config,
+        GATED=True, DOT_PRECISION=precision, **config, **pdl_args(x.device),
     )
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(hidden, block_n))](
         h, w2, out, pair_ids, block_expert, weights,
         num_pairs, 1, num_experts, hidden, inter,
         *h.stride(), *w2.stride(), *out.stride(),
-        GATED=False, DOT_PRECISION=precision, **config,
+        GATED=False, DOT_PRECISION=precision, **config, **pdl_args(x.device),
     )
     total = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](out, total, hidden, TOP_K=top_k, BLOCK=_SUM_BLOCK)
+    _sum_slots_kernel[(num_tokens, triton.cdiv(hidden, _SUM_BLOCK))](out, total, hidden, TOP_K=top_k, BLOCK=_SUM_BLOCK,
+                                                                     **pdl_args(x.device))
     return total
