@@ -56,13 +56,17 @@ def check_correctness(device: str, results: dict) -> None:
                         "eagle3 tree 4x5, 16": {"method": "eagle3", "model": head, "num_speculative_tokens": 5,
                                                 "topk": 4, "num_draft_tokens": 16},
                         "self-drafted tree 3x3, 9": {"method": "draft_model", "model": target,
-                                                     "num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 9}
+                                                     "num_speculative_tokens": 3, "topk": 3, "num_draft_tokens": 9},
+                        # one node a step: chains of one in the engine that drafts trees
+                        "eagle3 tree 4x5, 16, one node": {"method": "eagle3", "model": head, "num_speculative_tokens": 5,
+                                                          "topk": 4, "num_draft_tokens": 16, "policy": "table",
+                                                          "table": {"1": 1}},
                         }.items():
         for eager in (False, True):
             if eager and device != "cuda":
                 continue
             llm = LLM(model=target, dtype="float32", device=device, enforce_eager=eager,
-                      speculative_config={**spec, "policy": "fixed"})
+                      speculative_config={"policy": "fixed", **spec})
             for kind, p in params.items():
                 got = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
                 checks[f"{label}{' eager' if eager else ''}: {kind} == plain"] = got == want[kind]

@@ -13,6 +13,7 @@ from test_spec import (ALPHA, NEW_TOKENS, RandomPolicy, continuation_counts, gre
 from tidal import LLM, SamplingParams
 from tidal.config import SpecConfig
 from tidal.speculative.cost_model import CostModel, grid_axes
+from tidal.speculative.policy import Choice, NoFeedback
 from tidal.graphs import CudaGraphs
 from tidal.profiling import dummy_plan
 from tidal.speculative.tree import Tree, accept_tree, simulated_choice, tree_shape
@@ -152,6 +153,39 @@ def test_trees_grown_inside_graphs_change_no_output(models, plain, method, monke
         assert sum(g.replays for sets in proposer.draft_graphs.values() for g in sets) > 0
 
 
+class OneNode(NoFeedback):
+    """A node a request, every step: trees of one node."""
+
+    name = "one node"
+
+    def choose(self, requests, limits, num_waiting):
+        return Choice([min(1, limit) for limit in limits])
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_steps_of_one_node_a_row_draft_chains(models, plain, method):
+    """A tree of one node is a chain of one: an engine that drafts trees drafts a step whose
+    rows draft one node at most as chains (no growth, no walk, no KV move), greedy and seeded
+    outputs the plain ones."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=NEW_TOKENS, ignore_eos=True)
+              for s, t in enumerate((0.8, 1.3, 0.0, 0.6))]
+    seeded = run(LLM(model=models["target"], page_size=4), repetitive_prompts(), params)[0]
+    llm = LLM(model=models["target"], page_size=4, speculative_config=tree_config(models, method, 3, 2, 6))
+    launch, trees = llm.engine.core.runner.launch, []
+
+    def recording(plan, drafts=None, ahead=None):
+        if drafts is not None:
+            trees.append(drafts.tree)
+        return launch(plan, drafts, ahead)
+
+    llm.engine.core.runner.launch = recording
+    llm.engine.core.scheduler.policy = OneNode()
+    assert run(llm, repetitive_prompts(), greedy())[0] == plain
+    assert run(llm, repetitive_prompts(), params)[0] == seeded
+    assert trees and all(tree is None for tree in trees)
+    assert llm.engine.stats()["spec"]["num_accepted"] > 0
+
+
 def test_trees_beat_chains_on_accepted_length(models):
     """A wider tree gives the target more chances: with the same drafter, a request accepts
     more tokens per step from a tree of 12 nodes than from a chain of 4."""
@@ -193,16 +227,18 @@ def test_a_drafter_equal_to_the_target_has_its_first_child_accepted(models):
 
 
 def test_sampling_with_trees_is_lossless_and_the_test_detects_a_wrong_verifier(models, monkeypatch):
-    target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256))
+    """Four tokens of the top 2 a request, so that the step after the first verifies trees
+    of two nodes (one node a row is a chain)."""
+    target = continuation_counts(LLM(model=models["target"], page_size=4, max_num_seqs=256), top_k=2, max_tokens=4)
     spec = LLM(model=models["target"], page_size=4, max_num_seqs=256,
                speculative_config=tree_config(models, "draft_model", 2, 3, 6))
-    assert homogeneity_pvalue(target, continuation_counts(spec)) > ALPHA
+    assert homogeneity_pvalue(target, continuation_counts(spec, top_k=2, max_tokens=4)) > ALPHA
     assert spec.engine.stats()["spec"]["num_drafted"] > 0
 
     # Control: a walk that takes each node's first child whatever the target drew commits
     # the drafter's tokens.
     monkeypatch.setattr(tidal.runner, "verify", _accept_first_children)
-    assert homogeneity_pvalue(target, continuation_counts(spec)) < ALPHA
+    assert homogeneity_pvalue(target, continuation_counts(spec, top_k=2, max_tokens=4)) < ALPHA
 
 
 def _accept_first_children(logits, tokens, ks, st, counters, tree=None):
@@ -308,3 +344,9 @@ def test_a_tree_of_k_nodes_is_the_best_k_of_the_largest(models):
     assert parents[0][:3] == [0, 1, 2]
     for i, k in enumerate(ks):
         assert (tokens[i][:k], parents[i][:k]) == (tokens[0][:k], parents[0][:k]), k
+    # One node a row is a chain of one, of the largest tree's first node.
+    plan.draft_lens[:] = [1] * len(ks)
+    for r in plan.requests:
+        r.num_absorbed = 0
+    chains = proposer.propose(plan, list(range(len(ks))))
+    assert chains.tree is None and chains.tokens.tolist() == [[tokens[0][0]]] * len(ks)

@@ -223,8 +223,9 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
     def run_target(b, w, context=ctx):
         plan = dummy_plan(b, context, w - 1, runner)
         drafts = None
-        if w > 1:  # (an engine that drafts trees verifies a chain as a tree: its walk and KV move)
-            chain = Tree.of(torch.arange(w - 1, device=runner.device).expand(b, w - 1)) if runner.tree_drafts else None
+        if w > 1:  # (an engine that drafts trees verifies 2+ drafts as a tree: its walk and KV move)
+            chain = Tree.of(torch.arange(w - 1, device=runner.device).expand(b, w - 1)) \
+                if runner.tree_drafts and w > 2 else None
             drafts = Drafts(random_tokens(runner, (b, w - 1)).to(runner.device), [w - 1] * b, tree=chain)
         return timed(lambda: runner.launch(plan, drafts).result(), runner.device)
 

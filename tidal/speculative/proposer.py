@@ -233,7 +233,7 @@ class ChainDrafter(ABC):
         device, num_rows = self.runner.device, len(reqs)
         st = self.runner.sampling_tensors(reqs)
         sampled = not st.all_greedy
-        if self.topk > 1:
+        if self.topk > 1 and max(ks) > 1:
             return self._propose_tree(plan, rows, st, pending, ahead)
         # Per row, the position the draft steps stop before (for `_draft_steps`). Every entry
         # of `self.limits` is written: a graph's padding rows must find limit 0, or they would
@@ -359,7 +359,8 @@ class ChainDrafter(ABC):
 
     def _propose_tree(self, plan: StepPlan, rows: list[int], st, pending: list[int], ahead: Ahead | None) -> Drafts:
         """Trees of drafts for plan rows `rows`, K_i nodes each, grown as EAGLE-2 grows them
-        (`_grow`) after the catch-up. A row of K_i nodes grows min(topk, K_i) wide and
+        (`_grow`) after the catch-up, where some row drafts two or more (one node a row is a
+        chain: no growth, no walk, no KV move). A row of K_i nodes grows min(topk, K_i) wide and
         min(depth, K_i) deep (`SpecConfig.draft_depth`): the drafter keeps the KV of the nodes
         it feeds in the slots past the row's root that the scheduler keeps for it
         (`SpecConfig.draft_slots`), for the step; the target's KV for the tree goes to the
