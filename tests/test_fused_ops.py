@@ -152,6 +152,22 @@ def test_gemv_is_the_product_and_swiglu(dtype, gated, hidden, n):
     close(fused.gemv(x, w, gated=gated, block_k=64), SiluAndMul()(want) if gated else want)
 
 
+@pytest.mark.parametrize("max_width, trees, tiles", [(5, False, {8}), (17, False, {8, 16, 32}), (17, True, {8})])
+def test_start_up_builds_the_acceptance_tile_of_every_chain_width(monkeypatch, max_width, trees, tiles):
+    """`accept_matching`'s tile follows the width (at least 8): start-up builds one for every
+    width a chain step can verify, 2 .. max_width, or 2 alone in an engine that drafts trees
+    (its chains are of one node), with and without simulated acceptance."""
+    built = set()
+
+    def record(best, drafts, lens, u=None):
+        built.add((max(8, 1 << (best.shape[1] - 1).bit_length()), u is None))
+
+    monkeypatch.setattr(fused, "accept_matching", record)
+    monkeypatch.setattr(fused, "accept_tree", lambda *args: None)
+    fused.build_sampling_variants(64, max_width, torch.device("cpu"), trees)
+    assert built == {(tile, plain) for tile in tiles for plain in (False, True)}
+
+
 def test_empty_batches():
     w = torch.ones(16)
     assert fused.rms_norm(torch.empty(0, 16), w, 1e-6).shape == (0, 16)

@@ -827,13 +827,17 @@ def build_sampling_variants(vocab_size: int, max_width: int, device: torch.devic
     for stream in (STREAM_SAMPLE, STREAM_ACCEPT):
         for unit in (False, True):
             row_keys(zeros(1, dtype=torch.int64), zeros(1, dtype=torch.int64), stream_key(stream), unit)
-    if max_width > 1:
-        best, drafts = zeros(1, max_width, dtype=torch.int64), zeros(1, max_width - 1, dtype=torch.int64)
-        for u in (None, zeros(1, max_width - 1)):  # (simulated acceptance, for benchmarks)
+    # Chains verify 2 .. max_width tokens a row; an engine that drafts trees verifies chains
+    # of one node only. `accept_matching`'s tile follows the width.
+    widths = {max(8, triton.next_power_of_2(w)): w for w in range(2, (2 if trees else max_width) + 1)}
+    for w in widths.values() if max_width > 1 else ():
+        best, drafts = zeros(1, w, dtype=torch.int64), zeros(1, w - 1, dtype=torch.int64)
+        for u in (None, zeros(1, w - 1)):  # (simulated acceptance, for benchmarks)
             accept_matching(best, drafts, zeros(1, dtype=torch.int64), u)
-        if trees:
-            from tidal.speculative.tree import Tree
+    if trees and max_width > 1:
+        from tidal.speculative.tree import Tree
 
-            tree = Tree.of(zeros(1, max_width - 1, dtype=torch.int64))
-            for u, simulated in ((None, None), (zeros(1, max_width), zeros(1, 2))):
-                accept_tree(best, drafts, tree, zeros(1, dtype=torch.int64), u, simulated)
+        best, drafts = zeros(1, max_width, dtype=torch.int64), zeros(1, max_width - 1, dtype=torch.int64)
+        tree = Tree.of(zeros(1, max_width - 1, dtype=torch.int64))
+        for u, simulated in ((None, None), (zeros(1, max_width), zeros(1, 2))):
+            accept_tree(best, drafts, tree, zeros(1, dtype=torch.int64), u, simulated)
