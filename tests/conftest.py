@@ -28,7 +28,7 @@ _resident_after_collect = [0]
 def collect_dropped_engines():
     """Engines the tests drop are freed before they pile up: an engine's KV cache alone is a
     gigabyte on the CPU, and its reference cycles wait for the collector, which a few
-    tests' objects seldom trigger (the suite had reached this machine's 24 GB). A collection
+    tests' objects seldom trigger, so the suite would outgrow a 24 GB machine. A collection
     takes a fifth of a second, so it runs once the process has grown 2 GB since the last."""
     yield
     resident = _resident_bytes()
