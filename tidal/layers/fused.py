@@ -829,8 +829,8 @@ def build_sampling_variants(vocab_size: int, max_width: int, device: torch.devic
             row_keys(zeros(1, dtype=torch.int64), zeros(1, dtype=torch.int64), stream_key(stream), unit)
     # Chains verify 2 .. max_width tokens a row; an engine that drafts trees verifies chains
     # of one node only. `accept_matching`'s tile follows the width.
-    widths = {max(8, triton.next_power_of_2(w)): w for w in range(2, (2 if trees else max_width) + 1)}
-    for w in widths.values() if max_width > 1 else ():
+    chain_widths = range(2, (min(2, max_width) if trees else max_width) + 1)
+    for w in {max(8, triton.next_power_of_2(w)): w for w in chain_widths}.values():
         best, drafts = zeros(1, w, dtype=torch.int64), zeros(1, w - 1, dtype=torch.int64)
         for u in (None, zeros(1, w - 1)):  # (simulated acceptance, for benchmarks)
             accept_matching(best, drafts, zeros(1, dtype=torch.int64), u)
