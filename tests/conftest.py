@@ -21,7 +21,7 @@ def _resident_bytes() -> int | None:
         return None
 
 
-_resident_after_collect = [0]
+_resident_after_collect = 0
 
 
 @pytest.fixture(autouse=True)
@@ -30,11 +30,12 @@ def collect_dropped_engines():
     gigabyte on the CPU, and its reference cycles wait for the collector, which a few
     tests' objects seldom trigger, so the suite would outgrow a 24 GB machine. A collection
     takes a fifth of a second, so it runs once the process has grown 2 GB since the last."""
+    global _resident_after_collect
     yield
     resident = _resident_bytes()
-    if resident is None or resident > _resident_after_collect[0] + (2 << 30):
+    if resident is None or resident > _resident_after_collect + (2 << 30):
         gc.collect()
-        _resident_after_collect[0] = _resident_bytes() or 0
+        _resident_after_collect = _resident_bytes() or 0
 
 
 @pytest.fixture(scope="session")

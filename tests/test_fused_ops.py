@@ -160,7 +160,7 @@ def test_start_up_builds_the_acceptance_tile_of_every_chain_width(monkeypatch, m
     built = set()
 
     def record(best, drafts, lens, u=None):
-        built.add((max(8, 1 << (best.shape[1] - 1).bit_length()), u is None))
+        built.add((fused.matching_tile(best.shape[1]), u is None))
 
     monkeypatch.setattr(fused, "accept_matching", record)
     monkeypatch.setattr(fused, "accept_tree", lambda *args: None)

@@ -731,8 +731,13 @@ def accept_matching(best: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.
         u_strides = (0, 0) if u is None else u.stride()
         _accept_matching_kernel[(b,)](best, drafts, draft_lens.contiguous(), drafts if u is None else u, tokens, accept,
                                     *best.stride(), *drafts.stride(), *u_strides, w - 1, w,
-                                    SIMULATE=u is not None, BLOCK=max(8, triton.next_power_of_2(w)))
+                                    SIMULATE=u is not None, BLOCK=matching_tile(w))
     return tokens, accept
+
+
+def matching_tile(width: int) -> int:
+    """`accept_matching`'s tile for rows of `width` tokens: a kernel variant of its own."""
+    return max(8, triton.next_power_of_2(width))
 
 
 @triton.jit(do_not_specialize=["W", "R"])
@@ -828,13 +833,13 @@ def build_sampling_variants(vocab_size: int, max_width: int, device: torch.devic
         for unit in (False, True):
             row_keys(zeros(1, dtype=torch.int64), zeros(1, dtype=torch.int64), stream_key(stream), unit)
     # Chains verify 2 .. max_width tokens a row; an engine that drafts trees verifies chains
-    # of one node only. `accept_matching`'s tile follows the width.
-    chain_widths = range(2, (min(2, max_width) if trees else max_width) + 1)
-    for w in {max(8, triton.next_power_of_2(w)): w for w in chain_widths}.values():
+    # of one node only. A width per tile.
+    chain_widths = range(2, (2 if trees else max_width) + 1)
+    for w in {matching_tile(w): w for w in chain_widths}.values():
         best, drafts = zeros(1, w, dtype=torch.int64), zeros(1, w - 1, dtype=torch.int64)
         for u in (None, zeros(1, w - 1)):  # (simulated acceptance, for benchmarks)
             accept_matching(best, drafts, zeros(1, dtype=torch.int64), u)
-    if trees and max_width > 1:
+    if trees:
         from tidal.speculative.tree import Tree
 
         best, drafts = zeros(1, max_width, dtype=torch.int64), zeros(1, max_width - 1, dtype=torch.int64)
