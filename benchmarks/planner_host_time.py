@@ -46,14 +46,14 @@ def build(args) -> Scheduler:
     longest = args.prompt_len + (prefill_steps + args.warmup + args.steps + 4) * (1 + args.k)
     pool = PagePool(args.rows * pages_for(longest, args.page_size) + 1, args.page_size)
     speculation = SimpleNamespace(max_draft_len=args.k, proposer=SimpleNamespace(drafts_ahead=True),
-                                  make_policy=lambda pool, demand, config: Fixed(args.k))
+                                  make_policy=lambda demand, config: Fixed(args.k))
     s = Scheduler(pool, config, 1 << 30, speculation if args.k else None)
     if args.policy == "goodput":
         from tidal.speculative.cost_model import CostModel, grid_axes
 
         cost = CostModel.from_function(lambda b, w: PLAIN_STEP_S * (1 + args.draft_price * (w - 1)),
                                        *grid_axes(args.rows, args.k))
-        s.policy = Goodput(cost, args.k, token_budget=budget, pool=pool, demand=s.prefill_demand)
+        s.policy = Goodput(cost, args.k, token_budget=budget, demand=s.prefill_demand)
     params = SamplingParams(max_tokens=1 << 30, ignore_eos=True)
     for i in range(args.rows):  # distinct prompts: no prefix shared
         s.add(Request(str(i), None, [3 + i] + list(range(4, 3 + args.prompt_len)), params, 0, ()))

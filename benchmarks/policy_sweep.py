@@ -146,8 +146,8 @@ class StepLog:
         self.load = ""  # the load running now, set by the sweep
         self.decode_steps: list[tuple[int, float]] = []  # (batch, seconds) of the cell's steps without prefill
 
-    def choose(self, requests, limits, num_waiting):
-        return self.policy.choose(requests, limits, num_waiting)
+    def choose(self, requests, limits, num_waiting, kv_room=None):
+        return self.policy.choose(requests, limits, num_waiting, kv_room)
 
     def observe(self, plan, result, step_time, catch_up_time=None):
         self.policy.observe(plan, result, step_time, catch_up_time)

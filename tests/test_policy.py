@@ -337,11 +337,9 @@ def test_waiting_prompts_make_drafts_cost_more():
 
 
 def test_kv_headroom_caps_drafts():
-    class Pool:
-        num_free, page_size = 5, 4
-
-    ks = Goodput(nearly_free(), K, pool=Pool()).choose(make_requests(16), [K] * 16, 0)
-    assert 0 < sum(ks) <= 5 * 4 - 16
+    ks = Goodput(nearly_free(), K).choose(make_requests(16), [K] * 16, 0, kv_room=4)
+    assert 0 < sum(ks) <= 4
+    assert sum(Goodput(nearly_free(), K).choose(make_requests(16), [K] * 16, 0, kv_room=0)) == 0
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -629,7 +627,7 @@ def spec(models, method, **extra):
 
 def inject(llm, cost_model):
     engine = llm.engine
-    engine.core.scheduler.policy = make_policy(engine.config.speculative_config, pool=engine.core.pool,
+    engine.core.scheduler.policy = make_policy(engine.config.speculative_config,
                                           demand=engine.core.scheduler.prefill_demand, cost_model=cost_model)
 
 
@@ -700,9 +698,9 @@ def test_a_prompt_in_flight_is_not_demand_for_the_step_after_it(models):
     late = engine.make_request(list(range(40, 70)), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     seen, choose = [], scheduler.policy.choose
 
-    def recording(requests, limits, num_waiting):
+    def recording(requests, limits, num_waiting, kv_room=None):
         seen.append((scheduler.prefill_demand(10**6), late in scheduler.waiting, late.num_computed))
-        return choose(requests, limits, num_waiting)
+        return choose(requests, limits, num_waiting, kv_room)
 
     scheduler.policy.choose = recording
     engine.add_request(first)

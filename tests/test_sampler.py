@@ -207,3 +207,19 @@ def test_no_host_sync_on_cuda():
         verify(logits, drafts, lens, SamplingTensors.build(params, [1, 2], "cuda", [[0.5] * 2] * 2), counters)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_rows_sampled_in_chunks_draw_what_one_pass_draws(monkeypatch):
+    """Sampling and logprobs go a few rows at a time (bounding a wide verification's memory);
+    each row's draw and logprobs are its own, so the chunks change nothing."""
+    from tidal.layers import sampler
+
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t, k, p, m in [(0.8, 0, 0.9, 0.0), (0.0, 0, 1.0, 0.0), (1.2, 5, 1.0, 0.05), (0.5, 0, 1.0, 0.0)] * 3]
+    logits, counters = torch.randn(len(params), 50), torch.arange(len(params)) * 7
+    st = build(params, seeds=[11 * i for i in range(len(params))])
+    whole, whole_lp = sample(logits, st, counters), compute_logprobs(logits, counters % 50, 3)
+    monkeypatch.setattr(sampler, "SAMPLE_CHUNK_ELEMENTS", 5 * 50)  # chunks of 5, 5 and 2 rows
+    assert sampler.row_chunks(logits) == [(0, 5), (5, 10), (10, 12)]
+    assert torch.equal(sample(logits, st, counters), whole)
+    assert all(torch.equal(a, b) for a, b in zip(compute_logprobs(logits, counters % 50, 3), whole_lp))

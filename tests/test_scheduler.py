@@ -24,7 +24,7 @@ def planner(num_pages=64, k=2, budget=64, max_num_seqs=8, drafts_ahead=True, asy
                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
     speculation = SimpleNamespace(max_draft_len=k, proposer=SimpleNamespace(drafts_ahead=drafts_ahead),
                                   config=spec or SpecConfig("draft_model", max(k, 1), model="unused"),
-                                  make_policy=lambda pool, demand, config: Fixed(k))
+                                  make_policy=lambda demand, config: Fixed(k))
     return Scheduler(PagePool(num_pages, PAGE, enable_prefix_caching=False), config, max_model_len,
                      speculation if k else None)
 
@@ -179,3 +179,34 @@ def test_waiting_prompts_that_fit_whole_go_before_drafts():
     s.add(request("b", 12))
     plan = s.schedule()  # 1 (a's token) + 12 (b's whole prompt) leaves 3 for a's drafts
     assert plan.num_new_tokens == [1, 12] and plan.draft_lens == [3, 0]
+
+
+def test_goodput_drafts_into_its_rows_last_pages_when_no_page_is_free():
+    """A full KV cache leaves drafts the slots past each row's next token in its last page:
+    goodput, whose drafts nearly cost nothing here, drafts there (the free pages alone left it
+    none, and a KV-bound server stopped drafting), and nobody is preempted."""
+    from tidal.speculative.cost_model import CostModel, grid_axes
+    from tidal.speculative.policy import Goodput
+
+    s = planner(num_pages=9, k=4)  # 8 pages of 4 tokens, two requests of 14 tokens: 4 pages each
+    s.policy = Goodput(CostModel.from_function(lambda b, w: 0.010 + 1e-6 * b * w, *grid_axes(8, 4)), 4,
+                       token_budget=64, demand=s.prefill_demand)
+    reqs = [request("a", 14), request("b", 14)]
+    for r in reqs:
+        s.add(r)
+    commit_all(s, s.schedule())  # 15 tokens each, in 4 pages: room for one draft past the next token
+    assert s.pool.num_free == 0
+    plan = s.schedule()
+    assert plan.draft_lens == [1, 1] and s.num_preemptions == 0
+    assert plan.choice.log["cap"] == 2
+
+
+def test_prompts_the_kv_cache_cannot_take_want_no_budget():
+    s = planner(num_pages=9, k=2, budget=64)  # 8 pages of 4 tokens
+    s.add(request("running", 11))
+    commit_all(s, s.schedule())  # 12 tokens, 3 pages: 5 free
+    for name in ("fits", "chunk", "after"):
+        s.add(request(name, 12))
+    # "fits" takes 3 pages, "chunk" the 8 tokens the other 2 hold; "after" finds none.
+    assert s.prefill_demand(1000) == 12 + 8
+    assert s.prefill_demand(10) == 12  # counted up to the limit

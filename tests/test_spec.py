@@ -87,7 +87,7 @@ class RandomPolicy(NoFeedback):
         self.rng = random.Random(seed)
         self.chosen = []
 
-    def choose(self, requests, limits, num_waiting):
+    def choose(self, requests, limits, num_waiting, kv_room=None):
         ks = [self.rng.randint(0, limit) for limit in limits]
         self.chosen.append(ks)
         return Choice(ks)
@@ -269,7 +269,7 @@ def test_catch_up_after_off_periods_is_lossless(models, plain):
         name = "bursts"
         step = 0
 
-        def choose(self, requests, limits, num_waiting):
+        def choose(self, requests, limits, num_waiting, kv_room=None):
             self.step += 1
             on = (self.step // 3) % 2 == 0
             return Choice([limit if on else 0 for limit in limits])

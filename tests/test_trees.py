@@ -158,7 +158,7 @@ class OneNode(NoFeedback):
 
     name = "one node"
 
-    def choose(self, requests, limits, num_waiting):
+    def choose(self, requests, limits, num_waiting, kv_room=None):
         return Choice([min(1, limit) for limit in limits])
 
 

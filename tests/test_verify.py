@@ -170,8 +170,7 @@ def test_coupled_drafts_are_accepted_more_often_than_independent_ones():
 def test_control_noise_that_ignores_the_position_is_detected(monkeypatch):
     """Every position drawing with the same noise correlates a step's tokens: the joint
     test must see it."""
-    monkeypatch.setattr(verify_module, "sample_from_probs",
-                        lambda p, seeds, counters, stream: sample_from_probs(p, seeds, counters * 0, stream))
+    monkeypatch.setattr(verify_module, "sample", lambda logits, st, counters: sample(logits, st, counters * 0))
     first, second = first_two_tokens()
     assert chi_square_pvalue(joint_counts(first, second), TARGET_JOINT) < ALPHA
 

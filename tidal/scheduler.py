@@ -40,7 +40,7 @@ class Scheduler:
         self.draft_slots = [speculation.config.draft_slots(k) if speculation else 0
                             for k in range(self.max_draft_len + 1)]
         self.drafts_ahead = speculation is None or speculation.proposer.drafts_ahead
-        self.policy: SpecPolicy = speculation.make_policy(pool, self.prefill_demand, config) if speculation else Off()
+        self.policy: SpecPolicy = speculation.make_policy(self.prefill_demand, config) if speculation else Off()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.spec = SpecStats()       # server-wide acceptance statistics
@@ -259,9 +259,13 @@ class Scheduler:
         limits = [max(0, min(r.params.max_tokens - r.num_output_tokens - n - 1,
                              bisect_right(self.draft_slots, self.max_model_len - r.num_tokens - n - 1) - 1))
                   for r, n in zip(decoding, pending)]
+        # Draft slots without a page a preemption would free: the free pages, and what each
+        # request's own pages hold past its next token (its drafts fill its last page first).
+        ps = self.pool.page_size
+        kv_room = self.pool.num_free * ps + sum(len(r.pages) * ps - r.num_tokens - n for r, n in zip(decoding, pending))
         self.feeding = fed
         try:
-            chosen = self.policy.choose(decoding, limits, len(self.waiting))
+            chosen = self.policy.choose(decoding, limits, len(self.waiting), kv_room)
         finally:
             self.feeding = {}
         ks = [max(0, min(k, limit)) for k, limit in zip(chosen, limits)]
@@ -273,15 +277,23 @@ class Scheduler:
         """Prompt tokens that running and admissible waiting requests still have to feed
         (what draft tokens would take budget from), counted up to `limit`. A chunk the step
         in flight feeds is not: counted, it would price the next step's drafts beside a
-        prompt that step does not carry."""
+        prompt that step does not carry. Waiting requests are admitted first come first
+        served while seats and free pages last, as `_admit` does: prompt tokens the KV cache
+        cannot take want no budget (drafts would not keep them out)."""
         total = 0
-        admissible = itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0))
-        for req in itertools.chain(self.running, admissible):
+        for req in self.running:
             computed = req.num_computed + self.feeding.get(req, 0)
             if computed < req.num_tokens - 1:
                 total += req.num_tokens - computed
                 if total >= limit:
-                    break
+                    return total
+        ps, free = self.pool.page_size, self.pool.num_free
+        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
+            fits = min(req.num_tokens, free * ps)  # (a chunk, where the pages hold no more)
+            free -= pages_for(fits, ps)
+            total += fits
+            if fits < req.num_tokens or total >= limit:
+                break
         return total
 
     def _preempt(self, req: Request) -> None:

@@ -94,7 +94,8 @@ async def client_loop(todo: deque[BenchRequest], send, phase: int) -> None:
 def server_counters(base_url: str) -> dict:
     """The server's totals a run reports the change of: drafted and accepted tokens,
     request-steps that verified drafts, how often each draft length K was chosen (from the
-    cumulative `tidal_spec_draft_length` histogram), and kernels built while serving."""
+    cumulative `tidal_spec_draft_length` histogram), kernels built while serving, and
+    requests preempted for lack of KV pages."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     samples = {}
     buckets = []
@@ -108,7 +109,8 @@ def server_counters(base_url: str) -> dict:
             "accepted": samples["tidal_spec_accepted_tokens_total"],
             "draft_steps": samples["tidal_spec_draft_steps_total"],
             "k_counts": [b - a for a, b in zip([0.0] + cumulative, cumulative)],
-            "kernel_compiles": samples["tidal_kernel_compiles_while_serving_total"]}
+            "kernel_compiles": samples["tidal_kernel_compiles_while_serving_total"],
+            "preemptions": samples["tidal_preemptions_total"]}
 
 
 def served_model(base_url: str) -> str:

@@ -138,7 +138,8 @@ def add_matrix_ratios(report: dict) -> None:
 def format_matrix(report: dict) -> str:
     """One table per workload: output tokens/s per load and mode (`cell_rate`), goodput / best
     other mode (on it and on the whole run's throughput), goodput's mean K, and the cell's
-    failed requests and kernels built while it ran (each a stall: `tidal.compiles`)."""
+    failed requests and kernels built while it ran (each a stall: `tidal.compiles`), and
+    each mode's preemptions (a mode short of KV pages recomputes what it preempted)."""
     by_key = {(r["workload"], r["mode"], r["load"]): r for r in report["results"]}
     lines = [f"tidal bench matrix: {report['model']}; acceptance is SIMULATED; output tokens/s while the load "
              "was whole (first request sent to last)", ""]
@@ -148,7 +149,7 @@ def format_matrix(report: dict) -> str:
         header = ["load", *(f"{m} tok/s" for m in report["modes"])]
         has_goodput = "goodput" in report["modes"]
         header += ["goodput / best other", "(whole run)", "goodput mean K"] if has_goodput else []
-        header += ["failed", "kernels built"]
+        header += ["failed", "kernels built", "preemptions"]
         rows = []
         for load in report["loads"]:
             cell = [by_key[(w["name"], m, load)] for m in report["modes"]]
@@ -157,7 +158,8 @@ def format_matrix(report: dict) -> str:
                 g = by_key[(w["name"], "goodput", load)]
                 row += [f"{g[key]:.3f}" if key in g else "-" for key in ("vs_best_other", "vs_best_other_whole_run")]
                 row += [f"{g['mean_k']:.2f}"]
-            rows.append(row + [str(sum(r["failed"] for r in cell)), str(sum(r["kernel_compiles"] for r in cell))])
+            rows.append(row + [str(sum(r["failed"] for r in cell)), str(sum(r["kernel_compiles"] for r in cell)),
+                               "/".join(str(round(r["preemptions"])) for r in cell)])
         lines += [text_table(header, rows), ""]
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ def engine_counters(engine: LLMEngine) -> dict:
     stats = engine.stats()
     return {"drafted": stats["spec"]["num_drafted"], "accepted": stats["spec"]["num_accepted"],
             "draft_steps": stats["spec"]["num_steps"], "k_counts": list(stats["policy"]["draft_len_counts"]),
-            "kernel_compiles": stats["kernel_compiles_while_serving"]}
+            "kernel_compiles": stats["kernel_compiles_while_serving"], "preemptions": stats["num_preemptions"]}
 
 
 class LoadDriver:

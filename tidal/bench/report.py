@@ -43,18 +43,18 @@ def format_report(report: dict) -> str:
 
 def detail_table(report: dict) -> tuple[list[str], list[list[str]]]:
     header = ["mode", "load", "done", "failed", "out tokens", "req/s", "tok/s", "TTFT mean/med/p99 ms",
-              "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms", "acc len", "accept", "mean K"]
+              "TPOT mean/med/p99 ms", "ITL mean/med/p99 ms", "acc len", "accept", "mean K", "preempted"]
     rows = []
     for r in report["results"]:
         rows.append([r["mode"], r["load"], str(r["completed"]), str(r["failed"]), str(r["output_tokens"]),
                      f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.1f}", _latency(r, "ttft"),
                      _latency(r, "tpot"), _latency(r, "itl"), f"{r['mean_accepted_length']:.2f}",
-                     f"{r['acceptance_rate']:.2f}", f"{r['mean_k']:.2f}"])
+                     f"{r['acceptance_rate']:.2f}", f"{r['mean_k']:.2f}", str(round(r["preemptions"]))])
         for i, p in enumerate(r.get("phases", [])):
             clients = f"{p['clients']} client" + ("s" if p["clients"] > 1 else "")
             rows.append(["", f"  phase {i + 1}: {clients}", str(p["completed"]), str(p["failed"]),
                          str(p["output_tokens"]), f"{p['request_throughput']:.2f}", f"{p['output_throughput']:.1f}",
-                         _latency(p, "ttft"), _latency(p, "tpot"), _latency(p, "itl"), "", "", ""])
+                         _latency(p, "ttft"), _latency(p, "tpot"), _latency(p, "itl"), "", "", "", ""])
     return header, rows
 
 

@@ -227,7 +227,8 @@ def counters_delta(before: dict, after: dict) -> dict:
     """Speculation during a run, from two `server_counters` snapshots: the acceptance rate,
     the mean accepted length (accepted drafts + 1 per request-step that verified drafts),
     the share of each K the policy chose for decoding requests (a proposer may draft fewer,
-    as n-gram does when it finds nothing), and the kernels built while it ran."""
+    as n-gram does when it finds nothing), the kernels built and the requests preempted
+    while it ran."""
     drafted = after["drafted"] - before["drafted"]
     accepted = after["accepted"] - before["accepted"]
     drafting_steps = after["draft_steps"] - before["draft_steps"]
@@ -241,6 +242,7 @@ def counters_delta(before: dict, after: dict) -> dict:
         "mean_k": sum(k * n for k, n in enumerate(counts)) / steps if steps else 0.0,
         "k_share": [n / steps for n in counts] if steps else [],
         "kernel_compiles": after["kernel_compiles"] - before["kernel_compiles"],
+        "preemptions": after["preemptions"] - before["preemptions"],
     }
 
 

@@ -27,6 +27,12 @@ STREAM_ACCEPT = 1   # simulated acceptance's draws (benchmarks), apart from the 
 # faster below, the search above (docs/design.md).
 SEARCH_TOP_P_ROWS = 64
 
+# Sampling a row takes several float32 copies of its logits (scaled, masked, softmax); rows
+# are sampled this many logits at a time, so that a verification of many tokens needs about
+# the memory of a plain step's sampling rather than K + 1 times it (the memory plan reserves
+# the largest step's peak, which the KV cache then does without).
+SAMPLE_CHUNK_ELEMENTS = 2**25
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -127,6 +133,12 @@ class SamplingTensors:
             simulated=None if simulated is None else
             to_device([a for rates in simulated for a in rates], torch.float32, device).view(len(params), -1),
         )
+
+    def sliced(self, start: int, stop: int) -> "SamplingTensors":
+        """Rows start..stop-1 (the host flags stay the whole batch's: work they allow is
+        skipped no more often, never wrongly)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SamplingTensors(**{k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in values.items()})
 
     def repeat_rows(self, counts: int | Sequence[int]) -> "SamplingTensors":
         """Expand to one row per logits row: request i repeated `counts` times (an int for
@@ -249,12 +261,21 @@ def race_top_k(logits: torch.Tensor, k: int, temperature: torch.Tensor | None = 
     return values, index if lookup is None else lookup[index]
 
 
+def row_chunks(logits: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, stop) of the row chunks of logits [N, V] that hold SAMPLE_CHUNK_ELEMENTS at most."""
+    n, step = logits.shape[0], max(1, SAMPLE_CHUNK_ELEMENTS // logits.shape[-1])
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
 def sample(logits: torch.Tensor, st: SamplingTensors, counters: torch.Tensor) -> torch.Tensor:
     """Next token per row [N] int64: argmax for greedy rows, else an exact sample from
-    processed_probs. counters [N] int64: index of the output token being sampled."""
+    processed_probs. counters [N] int64: index of the output token being sampled. Rows are
+    sampled `row_chunks` at a time (each row's draw is its own)."""
     if st.all_greedy:
         return greedy_tokens(logits)
-    return sample_from_probs(processed_probs(logits, st), st.seeds, counters, STREAM_SAMPLE)
+    drawn = [sample_from_probs(processed_probs(logits[a:b], st.sliced(a, b)), st.seeds[a:b], counters[a:b],
+                               STREAM_SAMPLE) for a, b in row_chunks(logits)]
+    return drawn[0] if len(drawn) == 1 else torch.cat(drawn)
 
 
 class Logprobs(NamedTuple):
@@ -265,8 +286,10 @@ class Logprobs(NamedTuple):
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> Logprobs:
     """Logprobs from the raw logits' log_softmax (before temperature and filters), which is
-    what the OpenAI API and vLLM report."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    token_logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
-    return Logprobs(token_logprobs, top_ids, top_logprobs)
+    what the OpenAI API and vLLM report; `row_chunks` at a time, as sampling goes."""
+    parts = []
+    for a, b in row_chunks(logits):
+        logprobs = torch.log_softmax(logits[a:b].float(), dim=-1)
+        parts.append((logprobs.gather(1, tokens[a:b].unsqueeze(1)).squeeze(1), *logprobs.topk(num_top, dim=-1)))
+    chosen, top_logprobs, top_ids = (torch.cat(x) for x in zip(*parts))
+    return Logprobs(chosen, top_ids, top_logprobs)

@@ -45,10 +45,9 @@ class Speculation:
             self.proposer = Eagle3Proposer(spec.model, runner, target_config, spec.topk, spec.num_speculative_tokens)
         return self.proposer
 
-    def make_policy(self, pool, demand, config: EngineConfig) -> SpecPolicy:
-        """The policy, seeing `pool`'s free pages and `demand(limit)`, the prompt tokens that
-        want a step's budget."""
-        return make_policy(self.config, pool=pool, demand=demand, max_num_seqs=config.max_num_seqs,
+    def make_policy(self, demand, config: EngineConfig) -> SpecPolicy:
+        """The policy, seeing `demand(limit)`, the prompt tokens that want a step's budget."""
+        return make_policy(self.config, demand=demand, max_num_seqs=config.max_num_seqs,
                            max_num_batched_tokens=config.max_num_batched_tokens, cost_model=self.cost_model)
 
     def describe(self) -> str:

@@ -25,7 +25,11 @@ from tidal.step import StepPlan, StepResult
 class SpecPolicy(Protocol):
     name: str
 
-    def choose(self, requests: list[Request], limits: list[int], num_waiting: int) -> Choice:
+    def choose(self, requests: list[Request], limits: list[int], num_waiting: int,
+               kv_room: int | None = None) -> Choice:
+        """K per request within its limit. `kv_room`: the draft slots the KV cache holds
+        without taking a page a preemption would have to free (None: no bound); the
+        scheduler places drafts within free pages whatever a policy asks."""
         ...
 
     def observe(self, plan: StepPlan, result: StepResult, step_time: float,
@@ -85,7 +89,7 @@ class Off(NoFeedback):
 
     name = "off"
 
-    def choose(self, requests, limits, num_waiting):
+    def choose(self, requests, limits, num_waiting, kv_room=None):
         return Choice([0] * len(requests))
 
 
@@ -101,7 +105,7 @@ class Fixed(NoFeedback):
     def label(self) -> str:
         return f"fixed:{self.k}"
 
-    def choose(self, requests, limits, num_waiting):
+    def choose(self, requests, limits, num_waiting, kv_room=None):
         return Choice([min(self.k, limit) for limit in limits])
 
 
@@ -115,7 +119,7 @@ class Table(NoFeedback):
         self.batch_sizes = [b for b, _ in table]
         self.ks = [k for _, k in table]
 
-    def choose(self, requests, limits, num_waiting):
+    def choose(self, requests, limits, num_waiting, kv_room=None):
         k = self.ks[max(bisect_right(self.batch_sizes, len(requests)) - 1, 0)]
         return Choice([min(k, limit) for limit in limits])
 
@@ -158,14 +162,13 @@ class Goodput:
 
     name = "goodput"
 
-    def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048, pool=None,
+    def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048,
                  demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, draft_premium: float = 0.1,
                  probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  explore_interval: int = 32, explore_margin: float = 0.15):
         self.cost = cost
         self.acceptance = AcceptanceModel(max_draft_len)
         self.token_budget = token_budget
-        self.pool = pool          # KV headroom: drafts never take pages a preemption would have to free
         self.demand = demand      # demand(limit): prompt tokens that want this step's budget, counted up to limit
         self.hysteresis = hysteresis
         self.draft_premium = draft_premium
@@ -178,13 +181,13 @@ class Goodput:
         self.previous: dict[Request, int] = {}   # last decision before probes (for hysteresis)
         self.steps_since_drafting = 0
         # A K = 0 decision stands, while its inputs stay, until this decision number (see choose).
-        self.plain: tuple[list[Request], list[int], int, dict] | None = None
+        self.plain: tuple[list[Request], list[int], int, int, dict] | None = None
         self.num_decisions = self.num_held = self.num_probes = self.num_explored = self.num_reused = 0
         self.predicted = self.observed = 0.0
 
     # -- deciding --------------------------------------------------------------------------
 
-    def choose(self, requests, limits, num_waiting):
+    def choose(self, requests, limits, num_waiting, kv_room=None):
         self.num_decisions += 1
         if self.num_decisions % 64 == 0:
             self.acceptance.release_finished()
@@ -192,12 +195,12 @@ class Goodput:
         self.acceptance.age[rows] += 1
         room = max(self.token_budget - len(requests), 0)
         demand = min(self.demand(room), room) if self.demand else 0
-        standing = self._standing_plain(requests, limits, demand, num_waiting)
+        cap = self._draft_cap(len(requests), kv_room)
+        standing = self._standing_plain(requests, limits, demand, cap, num_waiting)
         if standing is not None:
             return standing
         limit = np.asarray(limits, dtype=np.int64)
         prices = _Prices(self, requests, rows, limit, room, demand)
-        cap = self._draft_cap(len(requests))
         pick = self._pick(prices, requests, limit, cap)
         self.previous = dict(zip(requests, pick.decided.tolist()))
         # No probes while prompts wait for the budget: the batch is still growing, and what
@@ -211,20 +214,22 @@ class Goodput:
         log = {"step": self.num_decisions, "batch": len(requests), "waiting": num_waiting, "k": ks.tolist(),
                "probes": probes, "held": pick.held, "explored": pick.explored, "tokens_per_s": pick.rate,
                "plain_tokens_per_s": pick.plain_rate, "best_drafting": pick.best_drafting, "catch_up": catch_up,
-               "catch_up_scale": float(self.cost.catch_up_scale[0])}
+               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap}
         if not ks.any() and not demand:
-            self.plain = (list(requests), list(limits), self.num_decisions + min(wait, self.probe_interval), log)
+            self.plain = (list(requests), list(limits), cap, self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
 
-    def _standing_plain(self, requests, limits, demand, num_waiting) -> Choice | None:
+    def _standing_plain(self, requests, limits, demand, cap, num_waiting) -> Choice | None:
         """The last K = 0 decision again while what it was made from stays (the same requests
-        and limits, no prompt waiting) and no probe could be due: the estimates move only when
-        requests draft, so it would come out the same, and a CPU pays the decision's host time
-        on every plain step. None, forgetting it, once anything has changed."""
+        and limits, no prompt waiting, no more room for drafts) and no probe could be due: the
+        estimates move only when requests draft, so it would come out the same, and a CPU pays
+        the decision's host time on every plain step. None, forgetting it, once anything has
+        changed."""
         if self.plain is None:
             return None
-        same, same_limits, until, log = self.plain
-        if not demand and self.num_decisions < until and same == requests and same_limits == limits:
+        same, same_limits, same_cap, until, log = self.plain
+        if (not demand and self.num_decisions < until and same == requests and same_limits == limits
+                and cap <= same_cap):
             self.steps_since_drafting += 1
             self.num_reused += 1
             return Choice([0] * len(requests), Decision(dict.fromkeys(requests, 0), 0, {
@@ -294,12 +299,10 @@ class Goodput:
                 return j
         return None
 
-    def _draft_cap(self, b: int) -> int:
-        """Drafts that fit the step's token budget and the free KV slots."""
+    def _draft_cap(self, b: int, kv_room: int | None) -> int:
+        """Drafts that fit the step's token budget and the KV slots `kv_room` leaves."""
         cap = self.token_budget - b
-        if self.pool is not None:
-            cap = min(cap, self.pool.num_free * self.pool.page_size - b)
-        return max(cap, 0)
+        return max(cap if kv_room is None else min(cap, kv_room), 0)
 
     def _probe(self, ks, limit, rows, cap, worth):
         """Let the requests at K = 0 that have gone longest without drafting draft one token,
@@ -514,7 +517,7 @@ def nodes_hit(paths: np.ndarray, num_nodes: int) -> np.ndarray:
     return hits[:, 1:]
 
 
-def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int = 256,
+def make_policy(spec: SpecConfig, *, demand=None, max_num_seqs: int = 256,
                 max_num_batched_tokens: int = 2048, cost_model: CostModel | None = None) -> SpecPolicy:
     """The policy `spec` names. Goodput prices steps with `cost_model` (measured at start-up,
     `tidal.profiling`), or learns the prices from the steps alone when none is given."""
@@ -528,7 +531,7 @@ def make_policy(spec: SpecConfig, *, pool=None, demand=None, max_num_seqs: int =
     else:
         policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online",
                                                  draft_passes=[spec.draft_depth(n) for n in range(k + 1)]), k,
-                         token_budget=max_num_batched_tokens, pool=pool, demand=demand)
+                         token_budget=max_num_batched_tokens, demand=demand)
         policy.acceptance.marginal = spec.topk > 1
     policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
     return policy

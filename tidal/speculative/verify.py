@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from tidal.layers.sampler import STREAM_ACCEPT, STREAM_SAMPLE, SamplingTensors, greedy_tokens, hash_uniform, \
-    processed_probs, sample, sample_from_probs
+from tidal.layers.sampler import STREAM_ACCEPT, SamplingTensors, greedy_tokens, hash_uniform, sample
 from tidal.speculative.tree import Tree, accept_tree, simulated_choice
 
 
@@ -56,10 +55,8 @@ def verify(
     if st.all_greedy:
         targets = greedy_tokens(target_logits)  # [B, W]
     else:
-        every = st.repeat_rows(W)
-        p = processed_probs(target_logits.reshape(B * W, V), every)
-        targets = sample_from_probs(p, every.seeds, (counters.unsqueeze(1) + positions).reshape(-1),
-                                    STREAM_SAMPLE).view(B, W)
+        targets = sample(target_logits.reshape(B * W, V), st.repeat_rows(W),
+                         (counters.unsqueeze(1) + positions).reshape(-1)).view(B, W)
     if tree is not None:
         u = chosen = None
         if st.simulated is not None:  # its last column is the sibling factor
