@@ -205,8 +205,10 @@ def test_prompts_the_kv_cache_cannot_take_want_no_budget():
     s = planner(num_pages=9, k=2, budget=64)  # 8 pages of 4 tokens
     s.add(request("running", 11))
     commit_all(s, s.schedule())  # 12 tokens, 3 pages: 5 free
-    for name in ("fits", "chunk", "after"):
+    for name in ("fits", "waits", "after"):
         s.add(request(name, 12))
-    # "fits" takes 3 pages, "chunk" the 8 tokens the other 2 hold; "after" finds none.
-    assert s.prefill_demand(1000) == 12 + 8
-    assert s.prefill_demand(10) == 12  # counted up to the limit
+    # "fits" takes 3 pages; "waits" needs 3 of the 2 left, and "after" comes after it.
+    assert s.prefill_demand(1000) == 12
+    assert s.prefill_demand(10) == 10  # counted up to the limit (the prompt would be chunked)
+    s.running[0].pages += s.pool.allocate(3)  # (as if its drafts took 3 of the 5)
+    assert s.prefill_demand(1000) == 0

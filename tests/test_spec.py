@@ -409,9 +409,9 @@ def test_sampling_is_lossless_with_a_k_per_request_and_the_test_detects_shared_n
     spec.engine.core.scheduler.policy = RandomPolicy(seed=3)
     assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) > ALPHA
     assert spec.engine.stats()["spec"]["acceptance_per_position"][1] > 0, "want rows verifying 2+ drafts"
-    draw = verify_module.sample_from_probs
-    monkeypatch.setattr(verify_module, "sample_from_probs",
-                        lambda p, seeds, counters, stream: draw(p, seeds * 0, counters, stream))
+    draw = verify_module.sample
+    monkeypatch.setattr(verify_module, "sample",
+                        lambda logits, st, counters: draw(logits, replace(st, seeds=st.seeds * 0), counters))
     assert homogeneity_pvalue(target, continuation_counts(spec, **shape)) < ALPHA
 
 

@@ -196,9 +196,14 @@ class Scheduler:
 
     def _whole_prompts(self, budget: int) -> int | None:
         """Tokens of the waiting requests, first come first served, whose whole prompts fit in
-        `budget` and the free seats; None if the first that has a seat does not fit whole."""
-        tokens = 0
+        `budget`, the free seats and the free pages; None if the first that has a seat and
+        pages does not fit whole in `budget` (it would be chunked). A prompt the pages cannot
+        hold waits: it takes no budget from drafts."""
+        tokens, free = 0, self.pool.num_free
         for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
+            free -= pages_for(req.num_tokens, self.pool.page_size)
+            if free < 0:
+                break
             if tokens + req.num_tokens > budget:
                 return None if tokens == 0 else tokens
             tokens += req.num_tokens
@@ -274,12 +279,11 @@ class Scheduler:
         return {r.request_id: k for r, k in zip(decoding, ks)}, chosen.note
 
     def prefill_demand(self, limit: int) -> int:
-        """Prompt tokens that running and admissible waiting requests still have to feed
-        (what draft tokens would take budget from), counted up to `limit`. A chunk the step
-        in flight feeds is not: counted, it would price the next step's drafts beside a
-        prompt that step does not carry. Waiting requests are admitted first come first
-        served while seats and free pages last, as `_admit` does: prompt tokens the KV cache
-        cannot take want no budget (drafts would not keep them out)."""
+        """Prompt tokens that running and admissible waiting requests (`_whole_prompts`: a
+        prompt the free pages cannot hold is not) still have to feed (what draft tokens would
+        take budget from), counted up to `limit`. A chunk the step in flight feeds is not:
+        counted, it would price the next step's drafts beside a prompt that step does not
+        carry."""
         total = 0
         for req in self.running:
             computed = req.num_computed + self.feeding.get(req, 0)
@@ -287,14 +291,8 @@ class Scheduler:
                 total += req.num_tokens - computed
                 if total >= limit:
                     return total
-        ps, free = self.pool.page_size, self.pool.num_free
-        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
-            fits = min(req.num_tokens, free * ps)  # (a chunk, where the pages hold no more)
-            free -= pages_for(fits, ps)
-            total += fits
-            if fits < req.num_tokens or total >= limit:
-                break
-        return total
+        waiting = self._whole_prompts(limit - total)
+        return limit if waiting is None else total + waiting
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
