@@ -214,7 +214,7 @@ class Goodput:
         log = {"step": self.num_decisions, "batch": len(requests), "waiting": num_waiting, "k": ks.tolist(),
                "probes": probes, "held": pick.held, "explored": pick.explored, "tokens_per_s": pick.rate,
                "plain_tokens_per_s": pick.plain_rate, "best_drafting": pick.best_drafting, "catch_up": catch_up,
-               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap}
+               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap, "demand": demand}
         if not ks.any() and not demand:
             self.plain = (list(requests), list(limits), cap, self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
