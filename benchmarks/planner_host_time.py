@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from tidal.config import EngineConfig, SamplingParams
+from tidal.config import EngineConfig, SamplingParams, SpecConfig
 from tidal.kv_cache import PagePool
 from tidal.request import Request
 from tidal.scheduler import Scheduler, pages_for
@@ -46,6 +46,7 @@ def build(args) -> Scheduler:
     longest = args.prompt_len + (prefill_steps + args.warmup + args.steps + 4) * (1 + args.k)
     pool = PagePool(args.rows * pages_for(longest, args.page_size) + 1, args.page_size)
     speculation = SimpleNamespace(max_draft_len=args.k, proposer=SimpleNamespace(drafts_ahead=True),
+                                  config=SpecConfig("draft_model", max(args.k, 1), model="unused"),
                                   make_policy=lambda demand, config: Fixed(args.k))
     s = Scheduler(pool, config, 1 << 30, speculation if args.k else None)
     if args.policy == "goodput":

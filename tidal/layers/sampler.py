@@ -134,11 +134,15 @@ class SamplingTensors:
             to_device([a for rates in simulated for a in rates], torch.float32, device).view(len(params), -1),
         )
 
-    def sliced(self, start: int, stop: int) -> "SamplingTensors":
-        """Rows start..stop-1 (the host flags stay the whole batch's: work they allow is
-        skipped no more often, never wrongly)."""
+    def _rows(self, select) -> "SamplingTensors":
+        """The same parameters with `select` applied to every per-row tensor (the host flags
+        stay the whole batch's: work they allow is skipped no more often, never wrongly)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return SamplingTensors(**{k: v[start:stop] if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        return SamplingTensors(**{k: select(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+
+    def sliced(self, start: int, stop: int) -> "SamplingTensors":
+        """Rows start..stop-1."""
+        return self._rows(lambda t: t[start:stop])
 
     def repeat_rows(self, counts: int | Sequence[int]) -> "SamplingTensors":
         """Expand to one row per logits row: request i repeated `counts` times (an int for
@@ -153,8 +157,7 @@ class SamplingTensors:
 
             def expand(t):
                 return t.index_select(0, index)
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return SamplingTensors(**{k: expand(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()})
+        return self._rows(expand)
 
 
 def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
