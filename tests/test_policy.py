@@ -342,6 +342,23 @@ def test_kv_headroom_caps_drafts():
     assert sum(Goodput(nearly_free(), K).choose(make_requests(16), [K] * 16, 0, kv_room=0)) == 0
 
 
+def test_kv_headroom_counts_a_trees_slots():
+    """A tree drafting K keeps more KV slots than K (its growth feeds nodes it does not
+    verify, `SpecConfig.draft_slots`): goodput's drafts keep within the slots the cache
+    holds, not only their count, and the scheduler has none to drop."""
+    spec = SpecConfig(method="eagle3", model="m", num_speculative_tokens=5, topk=4, num_draft_tokens=16)
+    slots = [spec.draft_slots(k) for k in range(17)]
+    assert slots[4] > 4
+
+    def choose(kv_room):
+        policy = make_policy(spec, cost_model=cost(lambda b, w: 0.010 + 1e-6 * b * w, 16))
+        return policy.choose(make_requests(8), [16] * 8, 0, kv_room=kv_room)
+
+    assert sum(slots[k] for k in choose(None)) > 40
+    ks = choose(40)
+    assert sum(ks) > 0 and sum(slots[k] for k in ks) <= 40
+
+
 # -- models ---------------------------------------------------------------------------------
 
 def test_acceptance_counts_positions_conditionally():

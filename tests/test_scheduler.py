@@ -198,7 +198,7 @@ def test_goodput_drafts_into_its_rows_last_pages_when_no_page_is_free():
     assert s.pool.num_free == 0
     plan = s.schedule()
     assert plan.draft_lens == [1, 1] and s.num_preemptions == 0
-    assert plan.choice.log["cap"] == 2
+    assert plan.choice.log["kv_room"] == 2
 
 
 def test_prompts_the_kv_cache_cannot_take_want_no_budget():

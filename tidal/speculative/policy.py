@@ -163,12 +163,15 @@ class Goodput:
     name = "goodput"
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048,
-                 demand: Callable[[int], int] | None = None, hysteresis: float = 0.03, draft_premium: float = 0.1,
+                 draft_slots: list[int] | None = None, demand: Callable[[int], int] | None = None,
+                 hysteresis: float = 0.03, draft_premium: float = 0.1,
                  probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  explore_interval: int = 32, explore_margin: float = 0.15):
         self.cost = cost
         self.acceptance = AcceptanceModel(max_draft_len)
         self.token_budget = token_budget
+        # KV slots a request drafting K keeps, per K (`SpecConfig.draft_slots`; None: K, a chain's).
+        self.slots = np.arange(max_draft_len + 1) if draft_slots is None else np.asarray(draft_slots)
         self.demand = demand      # demand(limit): prompt tokens that want this step's budget, counted up to limit
         self.hysteresis = hysteresis
         self.draft_premium = draft_premium
@@ -195,7 +198,7 @@ class Goodput:
         self.acceptance.age[rows] += 1
         room = max(self.token_budget - len(requests), 0)
         demand = min(self.demand(room), room) if self.demand else 0
-        cap = self._draft_cap(len(requests), kv_room)
+        cap = _Room(room, np.inf if kv_room is None else max(kv_room, 0), self.slots)
         standing = self._standing_plain(requests, limits, demand, cap, num_waiting)
         if standing is not None:
             return standing
@@ -214,7 +217,8 @@ class Goodput:
         log = {"step": self.num_decisions, "batch": len(requests), "waiting": num_waiting, "k": ks.tolist(),
                "probes": probes, "held": pick.held, "explored": pick.explored, "tokens_per_s": pick.rate,
                "plain_tokens_per_s": pick.plain_rate, "best_drafting": pick.best_drafting, "catch_up": catch_up,
-               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap, "demand": demand}
+               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap.drafts,
+               "kv_room": kv_room, "demand": demand}
         if not ks.any() and not demand:
             self.plain = (list(requests), list(limits), cap, self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
@@ -229,7 +233,7 @@ class Goodput:
             return None
         same, same_limits, same_cap, until, log = self.plain
         if (not demand and self.num_decisions < until and same == requests and same_limits == limits
-                and cap <= same_cap):
+                and cap.within(same_cap)):
             self.steps_since_drafting += 1
             self.num_reused += 1
             return Choice([0] * len(requests), Decision(dict.fromkeys(requests, 0), 0, {
@@ -240,7 +244,7 @@ class Goodput:
     def _pick(self, prices: _Prices, requests, limit, cap) -> _Pick:
         """The candidate that scores best, or the previous decision where it is nearly as
         good; now and then a width beside it instead, run for its price."""
-        if not (cap > 0 and limit.max() > 0):
+        if not (cap.left(np.zeros(1, dtype=np.int64)) > 0 and limit.max() > 0):
             none = np.zeros(len(requests), dtype=np.int64)
             return _Pick(none, none)
         tokens, shapes, ks_of = prices.candidates(limit, cap)
@@ -271,7 +275,7 @@ class Goodput:
         to the plain step, whose price is exact, is never held back, and a spell of
         rejections ends drafting at once."""
         previous = np.minimum([self.previous.get(r, k) for r, k in zip(requests, ks.tolist())], limit)
-        if np.array_equal(previous, ks) or previous.sum() > cap:
+        if np.array_equal(previous, ks) or not cap.fits(previous):
             return None
         tokens, *shape = prices.shape(previous)
         alone = float(prices.seconds(*shape))
@@ -299,11 +303,6 @@ class Goodput:
                 return j
         return None
 
-    def _draft_cap(self, b: int, kv_room: int | None) -> int:
-        """Drafts that fit the step's token budget and the KV slots `kv_room` leaves."""
-        cap = self.token_budget - b
-        return max(cap if kv_room is None else min(cap, kv_room), 0)
-
     def _probe(self, ks, limit, rows, cap, worth):
         """Let the requests at K = 0 that have gone longest without drafting draft one token,
         so that their acceptance estimates do not stay stale where they were left, when the
@@ -320,7 +319,7 @@ class Goodput:
         now a probe could come at the earliest, all else staying."""
         age = self.acceptance.age[rows]
         idle = np.flatnonzero((ks == 0) & (limit > 0))
-        room = min(self.max_probes, cap - int(ks.sum()))
+        room = min(self.max_probes, cap.left(ks))
         if room <= 0 or not len(idle):
             return ks, [], self.probe_interval
         chosen = idle[np.argsort(-age[idle], kind="stable")[:room]]
@@ -387,6 +386,26 @@ class Goodput:
         }
 
 
+@dataclass(frozen=True)
+class _Room:
+    """What a step's drafts may take: `drafts` tokens of its budget and `slots` of KV, a
+    request drafting K keeping per_k[K] slots (a tree's growth keeps more than K)."""
+
+    drafts: int
+    slots: float
+    per_k: np.ndarray
+
+    def fits(self, ks) -> bool:
+        return int(ks.sum()) <= self.drafts and self.per_k[ks].sum() <= self.slots
+
+    def left(self, ks) -> int:
+        """Drafts of one token (one slot each) that still fit beside `ks`."""
+        return int(min(self.drafts - int(ks.sum()), self.slots - self.per_k[ks].sum()))
+
+    def within(self, other: _Room) -> bool:
+        return self.drafts <= other.drafts and self.slots <= other.slots
+
+
 @dataclass
 class _Pick:
     """What a goodput decision picked before probes, and how (for its log line)."""
@@ -425,16 +444,19 @@ class _Prices:
             self.per_token, charged = np.zeros(self.b), self.backlog
         self.brings = np.stack([np.ones(self.b), self.backlog, charged], axis=1)
 
-    def candidates(self, limit, cap):
-        """Both families of candidates: their expected tokens, their step's shape (drafts, the
-        longest, what the drafting requests bring, `per_token` of their catch-up charged per
-        expected token on top) and ks_of(j), the K per request of the j-th."""
+    def candidates(self, limit, cap: _Room):
+        """Both families of candidates, within `cap`: their expected tokens, their step's shape
+        (drafts, the longest, what the drafting requests bring, `per_token` of their catch-up
+        charged per expected token on top) and ks_of(j), the K per request of the j-th."""
         gain, brings, per_token = self.gain, self.brings, self.per_token
         b, width = gain.shape
         # The n likeliest drafts: order by gain, position-major so that a tie keeps a
         # request's earlier position first (each request's drafts stay a prefix).
         flat = gain.T.ravel()
-        order = np.argsort(-flat, kind="stable")[:min(cap, np.count_nonzero(flat))]
+        order = np.argsort(-flat, kind="stable")[:min(cap.drafts, np.count_nonzero(flat))]
+        # A request's draft at position p takes per_k[p + 1] - per_k[p] more KV slots.
+        used = np.cumsum(np.diff(cap.per_k)[order // b])
+        order = order[:np.searchsorted(used, cap.slots, side="right")]
         pos, row = order // b, order % b
         tokens = b + np.concatenate([[0.0], np.cumsum(flat[order])])
         longest = np.concatenate([[0], np.maximum.accumulate(pos + 1)])
@@ -446,7 +468,8 @@ class _Prices:
         uniform = np.minimum(limit[:, None], w)
         total = uniform.sum(axis=0)
         made = np.cumsum(gain, axis=1)  # expected tokens beyond the first at K = 1 .. width
-        alike = np.where(total <= cap, b + made.sum(axis=0), -np.inf)
+        fits = (total <= cap.drafts) & (cap.per_k[uniform].sum(axis=0) <= cap.slots)
+        alike = np.where(fits, b + made.sum(axis=0), -np.inf)
         bring = np.tile(brings[limit > 0].sum(axis=0), (width, 1))
         bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
 
@@ -531,7 +554,8 @@ def make_policy(spec: SpecConfig, *, demand=None, max_num_seqs: int = 256,
     else:
         policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online",
                                                  draft_passes=[spec.draft_depth(n) for n in range(k + 1)]), k,
-                         token_budget=max_num_batched_tokens, demand=demand)
+                         token_budget=max_num_batched_tokens, demand=demand,
+                         draft_slots=[spec.draft_slots(n) for n in range(k + 1)])
         policy.acceptance.marginal = spec.topk > 1
     policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
     return policy
