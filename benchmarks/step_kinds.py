@@ -2,7 +2,7 @@
 (`speculative_config.decision_log`: a line per step, for every policy).
 
     python benchmarks/step_kinds.py decisions_matrix.jsonl[.gz] --min-rows 24 [--split k|around]
-        [--steps goodput=845:1464 --steps fixed:2=884:1549]
+        [--steps goodput=845:1464 --steps fixed:2=884:1549] [--prompt-fit]
 
 A step is a `decode` when every row fed one token, a `prompt` step when prompt chunks
 shared it. `--split k` splits the decode steps by their longest K; `--split around` into
@@ -12,6 +12,9 @@ committed and their rate, drafts per row, the median step and, where the policy 
 it (goodput), the median prediction. --min-rows keeps the steps with at least that many
 rows (one cell's steady state when a log holds several loads); --steps POLICY=FIRST:LAST
 keeps only those of that policy's steps (its lines' `step`, inclusive), one cell of a matrix.
+--prompt-fit also fits, per policy, each step that carries prompt tokens as the median decode
+step of its longest K plus a fixed cost plus a price per prompt token (least squares), to see
+what a prompt adds to a step (the cost model's form for such steps is another).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import gzip
 import json
 import statistics
 from collections import defaultdict
+
+import numpy as np
 
 
 def read(path: str) -> list[dict]:
@@ -72,12 +77,39 @@ def summarize(lines: list[dict], min_rows: int = 0, split: str = "kind",
     return out
 
 
+def prompt_fit(lines: list[dict], min_rows: int = 0) -> list[dict]:
+    """Per policy: seconds of a step with prompt tokens ~ the median decode step at its longest
+    K + fixed + price x prompt tokens, over the steps whose K some decode steps (5 or more) ran
+    at; and the fit's median absolute residual, as a share of the step."""
+    out = []
+    for policy in sorted({line["policy"] for line in lines}):
+        steps = [s for s in lines if s["policy"] == policy and s["rows"] >= min_rows]
+        decode = defaultdict(list)
+        for s in steps:
+            if not is_prompt(s):
+                decode[max(s["drafted"], default=0)].append(s["observed_s"])
+        base = {k: statistics.median(v) for k, v in decode.items() if len(v) >= 5}
+        fitted = [s for s in steps if is_prompt(s) and max(s["drafted"], default=0) in base]
+        if len(fitted) < 2:
+            continue
+        prompt = np.array([s["new_tokens"] - s["rows"] for s in fitted], dtype=float)
+        seconds = np.array([s["observed_s"] for s in fitted])
+        decode_s = np.array([base[max(s["drafted"], default=0)] for s in fitted])
+        terms = np.stack([np.ones_like(prompt), prompt], axis=1)
+        (fixed, price), *_ = np.linalg.lstsq(terms, seconds - decode_s, rcond=None)
+        residual = np.abs(seconds - decode_s - terms @ (fixed, price)) / seconds
+        out.append({"policy": policy, "steps": len(fitted), "fixed_ms": 1e3 * fixed, "us_per_prompt_token": 1e6 * price,
+                    "median_abs_residual": float(np.median(residual))})
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("log")
     p.add_argument("--min-rows", type=int, default=0)
     p.add_argument("--split", choices=("kind", "k", "around"), default="kind")
     p.add_argument("--steps", action="append", default=[], metavar="POLICY=FIRST:LAST")
+    p.add_argument("--prompt-fit", action="store_true")
     args = p.parse_args()
     steps = {}
     for item in args.steps:
@@ -86,10 +118,16 @@ def main():
         steps[policy] = (int(first), int(last))
     print(f"{'policy':10} {'kind':20} {'steps':>6} {'s':>7} {'share':>6} {'tokens':>7} {'tok/s':>7} "
           f"{'drafts/row':>10} {'median ms':>9} {'predicted':>9}")
-    for r in summarize(read(args.log), args.min_rows, args.split, steps):
+    lines = read(args.log)
+    for r in summarize(lines, args.min_rows, args.split, steps):
         predicted = "" if r["median_predicted_ms"] is None else f"{r['median_predicted_ms']:9.2f}"
         print(f"{r['policy']:10} {r['kind']:20} {r['steps']:6d} {r['seconds']:7.2f} {r['share']:6.2f} "
               f"{r['tokens']:7d} {r['tokens_per_s']:7.0f} {r['drafts_per_row']:10.2f} {r['median_ms']:9.2f} {predicted:>9}")
+    if args.prompt_fit:
+        print(f"\n{'policy':10} {'prompt steps':>12} {'fixed ms':>8} {'us/prompt token':>15} {'median |residual|':>17}")
+        for r in prompt_fit(lines, args.min_rows):
+            print(f"{r['policy']:10} {r['steps']:12d} {r['fixed_ms']:8.2f} {r['us_per_prompt_token']:15.2f} "
+                  f"{r['median_abs_residual']:17.3f}")
 
 
 if __name__ == "__main__":

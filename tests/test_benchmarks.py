@@ -168,3 +168,21 @@ def test_step_kinds_tool(tmp_path):
     (cell,) = summarize(lines, steps={"fixed:2": (2, 2)})  # one cell's steps of the policy
     assert (cell["kind"], cell["steps"]) == ("prompt", 1)
     assert summarize(lines, steps={"goodput": (1, 3)}) == []
+
+
+def test_step_kinds_fits_what_a_prompt_adds():
+    """Steps with prompts that take a decode step of their K, 2 ms and 10 us a prompt token
+    give back those two numbers."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_kinds import prompt_fit
+
+    def line(prompt, k, seconds):
+        return {"policy": "fixed:2", "step": 0, "rows": 4, "new_tokens": 4 + prompt, "observed_s": seconds,
+                "drafted": [k] * 4, "accepted": [0] * 4}
+
+    decode = {0: 0.020, 2: 0.030}
+    lines = [line(0, k, s) for k, s in decode.items() for _ in range(5)]
+    lines += [line(p, k, decode[k] + 0.002 + 1e-5 * p) for k in decode for p in (100, 500, 1500)]
+    (fit,) = prompt_fit(lines)
+    assert fit["steps"] == 6 and fit["median_abs_residual"] < 1e-9
+    assert (fit["fixed_ms"], fit["us_per_prompt_token"]) == (pytest.approx(2.0), pytest.approx(10.0))
