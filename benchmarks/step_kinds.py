@@ -5,7 +5,7 @@
         [--steps goodput=845:1464 --steps fixed:2=884:1549] [--prompt-fit]
 
 A step is a `decode` when every row fed one token, a `prompt` step when prompt chunks
-shared it. `--split k` splits the decode steps by their longest K; `--split around` into
+shared it. `--split k` splits both kinds by their longest K; `--split around` into
 those just before a prompt step, just after one, and the others (the steps next to an
 arrival). For each policy and kind: steps, seconds and their share of the policy's, tokens
 committed and their rate, drafts per row, the median step and, where the policy predicted
@@ -38,10 +38,10 @@ def is_prompt(line: dict) -> bool:
 
 
 def step_kind(line: dict, before: dict | None, after: dict | None, split: str) -> str:
+    if split == "k":
+        return f"{'prompt' if is_prompt(line) else 'decode'} K={max(line['drafted'], default=0)}"
     if is_prompt(line):
         return "prompt"
-    if split == "k":
-        return f"decode K={max(line['drafted'], default=0)}"
     if split == "around" and after is not None and is_prompt(after):
         return "before a prompt step"
     if split == "around" and before is not None and is_prompt(before):

@@ -162,7 +162,7 @@ def test_step_kinds_tool(tmp_path):
     decode, prompt = summarize(lines)
     assert (decode["kind"], decode["steps"], decode["tokens"], decode["drafts_per_row"]) == ("decode", 2, 8, 1.5)
     assert (prompt["kind"], prompt["tokens"], prompt["share"]) == ("prompt", 2, pytest.approx(0.6))
-    assert [r["kind"] for r in summarize(lines, split="k")] == ["decode K=1", "decode K=2", "prompt"]
+    assert [r["kind"] for r in summarize(lines, split="k")] == ["decode K=1", "decode K=2", "prompt K=2"]
     assert [r["kind"] for r in summarize(lines, split="around")] == ["after a prompt step", "before a prompt step",
                                                                      "prompt"]
     (cell,) = summarize(lines, steps={"fixed:2": (2, 2)})  # one cell's steps of the policy

@@ -244,7 +244,7 @@ class Goodput:
     def _pick(self, prices: _Prices, requests, limit, cap) -> _Pick:
         """The candidate that scores best, or the previous decision where it is nearly as
         good; now and then a width beside it instead, run for its price."""
-        if not (cap.left(np.zeros(1, dtype=np.int64)) > 0 and limit.max() > 0):
+        if not (cap.open and limit.max() > 0):
             none = np.zeros(len(requests), dtype=np.int64)
             return _Pick(none, none)
         tokens, shapes, ks_of = prices.candidates(limit, cap)
@@ -394,6 +394,11 @@ class _Room:
     drafts: int
     slots: float
     per_k: np.ndarray
+
+    @property
+    def open(self) -> bool:
+        """Room for one draft (a K of 1 keeps one slot)."""
+        return self.drafts >= 1 and self.slots >= 1
 
     def fits(self, ks) -> bool:
         return int(ks.sum()) <= self.drafts and self.per_k[ks].sum() <= self.slots
