@@ -517,7 +517,8 @@ def test_cost_model_keeps_catch_up_and_prompt_tokens_apart_from_the_grid():
     assert resuming - float(model.step_time(8, 16, 2, 8, 0)) == pytest.approx(0.003 + 0.01)
     for _ in range(30):
         model.observe(8, 16, 2, 8, 0, resuming, catch_up=10_000)
-        model.observe(8, 0, 0, 0, 0, 3e-4 * 1008, prefill=1000)  # prompt tokens cost 0.3 ms each
+        for prompt in (1000, 1500):  # prompt tokens cost 0.3 ms each
+            model.observe(8, 0, 0, 0, 0, 3e-4 * (8 + prompt), prefill=prompt)
     assert float(model.step_time(8, 0, 0, 0, 0)) == pytest.approx(plain)
     assert model.token_cost() == pytest.approx(3e-4, rel=0.05)
     assert float(model.step_time(8, 0, 0, 0, 0, prefill=2000)) == pytest.approx(3e-4 * 2008, rel=0.05)
@@ -564,9 +565,25 @@ def test_no_draft_to_dodge_a_prompt_steps_fixed_cost():
     draft would make the step look 3.5 ms cheaper than none, and goodput would draft a token
     in every step, each paying a catch-up."""
     model = cost(lambda b, w: 0.0045 + 0.003 * b * w / 128)
-    model.prompt_fixed[0], model.prompt_fixed_weight[0] = 0.0035, 1.0
+    model.prompt_fixed[0], model.prompt_seen[0] = 0.0035, True
     ks = Goodput(model, K, demand=lambda limit: limit).choose(make_requests(200), [K] * 200, 10)
     assert sum(ks) == 0
+
+
+def test_a_prompt_steps_error_corrects_the_terms_its_price_is_made_of():
+    """Prompt steps priced by the decode grid (their tokens' floor below it) teach the fixed
+    cost of their K. Were their error to teach the price of a compute-bound token instead, a
+    fixed cost learned too high once would stay so: the price would sink under the grid and
+    the error stay (seen on an H100: steps at K = 4 beside prompts priced 16% over, for
+    hundreds of steps, and given fewer drafts than they paid for)."""
+    model = CostModel.from_function(lambda b, w: 0.030 + 1e-5 * b * w, *grid_axes(256, 4))
+    model.prompt_fixed[4], model.prompt_seen[4] = 0.020, True
+    decode = float(model.step_time(100, 400, 4, 100, 0))
+    for _ in range(40):
+        for prompt in (900, 1200, 1500):
+            model.observe(100, 400, 4, 100, 0, decode + 0.003, prefill=prompt)
+    assert model.prompt_fixed[4] == pytest.approx(0.003, abs=5e-4)
+    assert float(model.step_time(100, 400, 4, 100, 0, prefill=1000)) == pytest.approx(decode + 0.003, rel=0.02)
 
 
 def test_steps_with_prompts_leave_the_decode_error_alone():

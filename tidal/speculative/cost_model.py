@@ -6,12 +6,14 @@
 - target: a grid over batch size B and width (query tokens per request), measured at
   start-up on the real device and interpolated. Without CUDA graphs the width is the
   mean, 1 + sum(K) / B; with graphs every row is padded to the widest, 1 + max(K). When
-  prefill chunks share the step, it costs at least what its tokens cost in a compute-bound
-  step (`token_cost`): the decode grid alone would price 2,000 prompt tokens as nothing;
-  and a fixed cost on top (`prompt_fixed`, learned per longest draft K, never less than a
-  shorter K's): such a step costs more than its tokens' floor however few they are, and more
-  with every draft step than a decode step does (a longer host launch, hidden only where a
-  step in flight runs before it).
+  prompt tokens share the step (T tokens in all), it costs
+
+      max(target, token_price * T) + prompt_fixed[K]
+
+  at least what its tokens cost in a compute-bound step (the decode grid alone would price
+  2,000 prompt tokens as nothing), and on top a fixed cost per longest draft K (a longer
+  host launch, hidden only where a step in flight runs before it; a K not yet seen beside
+  a prompt costs what the longest shorter one seen does).
 - context: attention reads every token of every request's context; `context_ref` is the
   context per request the grid was measured at.
 - proposer: a fixed cost plus one per draft step (draft models run one forward per
@@ -38,12 +40,13 @@ longer chosen, never be seen at its true price again. A lone step far slower tha
 model usually misses by is a pause, not a price: it counts as a few typical misses.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
-A step that carries prefill chunks corrects only the prompt terms: the price of a
-compute-bound token when it has at least the tokens of the grid's largest shape, the fixed
-cost of its longest K otherwise. A smaller one's time is mostly fixed costs, which would
-teach the price their share per token (and make a draft beside a prompt look dear at
-higher loads; docs/design.md). One whose drafter catches up corrects only the price of
-catching up (a scale on the profiled one).
+A step that carries prompt tokens corrects only the prompt terms, all of them at once (a
+Kalman filter, `LinearFit`): its error moves the terms its price is made of (the fixed
+cost of its K, and the price of the branch of the max that set it) in proportion to how
+uncertain each is, so that steps of many sizes tell the fixed cost from the price per
+token. A term no step has used for a while regains its uncertainty and is soon relearned
+once used. One whose drafter catches up corrects only the price of catching up (a scale on
+the profiled one).
 """
 
 from __future__ import annotations
@@ -81,16 +84,13 @@ class CostModel:
         # drafting steps [1] (what they take beyond that), and their observations.
         self.level = np.zeros((2, shape[0]))
         self.level_weight = np.zeros((2, shape[0]))
-        # Seconds per token of a compute-bound step: the largest shape's at first.
-        self.token_price = self.grid[-1:, -1] / (self.batch_sizes[-1] * self.widths[-1])
-        self.token_weight = self.weight[-1:, -1].copy()
-        # What a step with prompt tokens costs beyond its tokens' floor, per longest draft K
-        # (0 .. the widest width - 1). A K is priced at least as a shorter one (each draft step
-        # adds host work), also one not yet seen: steps too large to teach it (a token budget
-        # full of prompt) would otherwise leave it free, and a lone draft would look like a way
-        # to save a prompt step's fixed cost.
-        self.prompt_fixed = np.zeros(int(self.widths[-1]))
-        self.prompt_fixed_weight = np.zeros(int(self.widths[-1]))
+        # The prompt terms (in the module docstring), as one fit: prompt_fixed per longest
+        # draft K (0 .. the widest width - 1), then the price of a thousand tokens of a
+        # compute-bound step, at first the largest shape's. Each is as uncertain as a step is long.
+        self.num_ks = int(self.widths[-1])
+        price = 1e3 * self.grid[-1, -1] / (self.batch_sizes[-1] * self.widths[-1])
+        self.prompt = LinearFit(np.append(np.zeros(self.num_ks), price), std=max(float(self.grid.max()), 0.01))
+        self.prompt_seen = np.zeros(self.num_ks, dtype=bool)  # a K's fixed cost learned from a step of its own
         self.padded = padded
         self.context_ref = context_ref
         self.context_cost = context_cost
@@ -152,10 +152,8 @@ class CostModel:
         prefill = np.asarray(prefill, dtype=float)
         target = self._target(batch, num_drafts, max_draft)
         if prefill.any():
-            k = np.minimum(max_draft, len(self.prompt_fixed) - 1).astype(int)
-            fixed = np.maximum.accumulate(self.prompt_fixed)[k]
             target = np.where(prefill > 0, np.maximum(target, self.token_cost() * (batch + num_drafts + prefill))
-                              + fixed, target)
+                              + self.prompt_fixed_of(max_draft), target)
         attention = self.context_cost * (context + num_drafts - batch * self.context_ref)
         passes = max_draft if self.draft_passes is None else \
             self.draft_passes[np.clip(max_draft.astype(int), 0, len(self.draft_passes) - 1)]
@@ -173,10 +171,22 @@ class CostModel:
             return 0.0
         return np.where(tokens > 0, self.catch_up_scale[0] * (self.catch_up_fixed + self.catch_up_token * tokens), 0.0)
 
+    @property
+    def prompt_fixed(self) -> np.ndarray:
+        """What a step with prompt tokens costs on top, per longest draft K, as learned."""
+        return self.prompt.mean[:self.num_ks]
+
+    def prompt_fixed_of(self, max_draft):
+        """prompt_fixed at each longest K; a K not yet seen beside a prompt costs what the
+        longest shorter one seen does: priced at nothing, a lone draft would look like a way
+        to save a prompt step's fixed cost."""
+        seen = np.maximum.accumulate(np.where(self.prompt_seen, np.arange(self.num_ks), -1))
+        fixed = np.where(seen >= 0, self.prompt_fixed[np.maximum(seen, 0)], 0.0)
+        return fixed[np.minimum(max_draft, self.num_ks - 1).astype(int)]
+
     def token_cost(self) -> float:
-        """Seconds per token of a compute-bound step (the largest shape on the grid's, then
-        learned from steps that carry prefill chunks)."""
-        return float(self.token_price[0])
+        """Seconds per token of a compute-bound step."""
+        return float(self.prompt.mean[-1]) / 1e3
 
     def observe(self, batch: int, num_drafts: int, max_draft: int, num_drafting: int, context: float,
                 seconds: float, prefill: int = 0, catch_up: int = 0) -> float:
@@ -193,17 +203,20 @@ class CostModel:
                             max(min(error, predicted) / profiled, -self.catch_up_scale[0]))
             return predicted
         if prefill:
+            # The terms this step's price is made of: its K's fixed cost (from the price it
+            # was given, if not yet seen) and, where its tokens' floor set the max, their
+            # price. A term that set nothing would take the error and move no prediction, and
+            # the error would stay.
+            k = min(int(max_draft), self.num_ks - 1)
+            if not self.prompt_seen[k]:
+                self.prompt.mean[k] = self.prompt_fixed_of(k)
+                self.prompt_seen[k] = True
             tokens = batch + num_drafts + prefill
-            if self.token_weight[0] == 0:
-                self._learn(self.token_price, self.token_weight, ((0, 1.0),), error / tokens)
-            elif tokens >= self.batch_sizes[-1] * self.widths[-1]:
-                self._learn(self.token_price, self.token_weight, ((0, 1.0),), min(error, predicted) / tokens)
-            else:
-                k = min(int(max_draft), len(self.prompt_fixed) - 1)
-                if self.prompt_fixed_weight[k] == 0:  # from the price it was given
-                    self.prompt_fixed[k] = self.prompt_fixed[:k].max(initial=0.0)
-                self._learn(self.prompt_fixed, self.prompt_fixed_weight, ((k, 1.0),),
-                            max(min(error, predicted), -self.prompt_fixed[k]))
+            terms = np.zeros(len(self.prompt.mean))
+            terms[k] = 1.0
+            if self.token_cost() * tokens > float(self._target(batch, num_drafts, max_draft)):
+                terms[-1] = tokens / 1e3
+            self.prompt.update(terms, min(error, predicted), predicted)
             return predicted
         # The error is a decode step's only: what the policy weighs is how decode steps of one
         # K differ from those of another, and a step with prompts or a catch-up (whose time
@@ -241,6 +254,30 @@ class CostModel:
                 values[index] += step * error
                 moved += w * step * error
         return moved
+
+
+class LinearFit:
+    """A linear model's coefficients, followed by a Kalman filter: an observation moves each
+    coefficient it involves in proportion to how uncertain it is, so that observations of
+    many shapes tell the coefficients apart. A coefficient no observation involves drifts
+    back toward its prior uncertainty (a random walk, never past the prior), so that one
+    not used for a while is soon relearned."""
+
+    def __init__(self, mean, std: float, noise: float = 0.05, drift: float = 0.02):
+        self.mean = np.array(mean, dtype=float)
+        self.prior = np.full(len(self.mean), float(std) ** 2)
+        self.cov = np.diag(self.prior)
+        self.noise = noise  # an observation's spread, as a share of its prediction
+        self.drift = drift * drift * self.prior  # the variance each coefficient regains an observation
+
+    def update(self, terms: np.ndarray, error: float, predicted: float) -> None:
+        """One observation `error` above `predicted`, whose prediction is terms @ mean + a known part."""
+        spread = self.cov @ terms
+        gain = spread / (terms @ spread + (self.noise * predicted) ** 2)
+        self.mean += gain * error
+        self.cov -= np.outer(gain, spread)
+        variance = np.diag(self.cov)
+        self.cov[np.diag_indices_from(self.cov)] += np.where(variance < self.prior, self.drift, 0.0)
 
 
 # -- the grid a start-up profile measures (`tidal.profiling`) --------------------------------

@@ -431,7 +431,7 @@ class _Prices:
 
     def __init__(self, policy: Goodput, requests, rows, limit, room: int, demand: int):
         self.cost, self.draft_premium = policy.cost, policy.draft_premium
-        self.b, self.room, self.demand = len(requests), room, demand
+        self.b, self.demand = len(requests), demand
         length, prompt, missed, most = np.array([(len(r.token_ids), r.num_prompt_tokens, r.num_computed - r.num_absorbed,
                                                   r.params.max_tokens) for r in requests]).T
         self.context = int(length.sum())
@@ -493,20 +493,19 @@ class _Prices:
         return float(len(ks) + made.sum()), int(ks.sum()), int(ks.max()), bring
 
     def parts(self, n, longest, drafting, prompt=0):
-        """A candidate's seconds in parts: its step, shared with up to `prompt` tokens of
-        prefill; the tax on its drafts; the prompt tokens its drafts push to a later step
-        (they cost as much there); and the share of its catch-up charged now."""
+        """A candidate's seconds in parts: its step with the `prompt` tokens that want the
+        budget (a draft that takes a prompt token's place pushes it to a later step, which it
+        costs as much as it would here); the tax on its drafts; and the share of its catch-up
+        charged now."""
         count, catch_up, charged = drafting[..., 0], drafting[..., 1], drafting[..., 2]
-        shared = np.minimum(np.maximum(self.room - n, 0), prompt)
-        step = self.cost.step_time(self.b, n, longest, count, self.context, shared)
+        step = self.cost.step_time(self.b, n, longest, count, self.context, prompt)
         # The drafts' own time (none where online corrections left a wider cell cheaper),
         # taxed by `draft_premium`, and at least by what the cost model misses of a plain
         # step: a draft must win by more than the prices' own error.
-        plain = self.cost.step_time(self.b, 0, 0, 0, self.context, shared) if prompt else self.plain_step
+        plain = self.cost.step_time(self.b, 0, 0, 0, self.context, prompt) if prompt else self.plain_step
         drafts = np.maximum(step - plain, 0.0)
         tax = np.where(n > 0, np.maximum(self.draft_premium * drafts, self.cost.error * self.plain_step), 0.0)
-        return (step, tax, self.cost.token_cost() * (prompt - shared),
-                self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1))
+        return step, tax, self.cost.catch_up_time(catch_up) * charged / np.maximum(catch_up, 1)
 
     def seconds(self, n, longest, drafting, prompt=0):
         return sum(self.parts(n, longest, drafting, prompt))
@@ -521,17 +520,18 @@ class _Prices:
         """The best candidate that drafts, priced in parts: for the log, to explain a K = 0."""
         d = 1 + int(np.argmax(rates[1:]))
         n, longest, drafting = shapes
-        step, tax, _, charge = (float(x) for x in self.parts(n[d], longest[d], drafting[d]))
+        step, tax, charge = (float(x) for x in self.parts(n[d], longest[d], drafting[d]))
         return {"tokens_per_s": float(rates[d]), "k": ks_of(d).tolist(), "tokens": float(tokens[d]),
                 "step_s": step, "tax_s": tax, "catch_up_s": charge, "plain_s": float(self.plain_step),
                 "acceptance_1": float(self.gain[limit > 0, 0].mean())}
 
     def worth(self, ks):
-        """For each row of ks (K per request): seconds of the step, catch-up in full and
-        taxed by the prices' error as drafts are, and its expected tokens."""
+        """For each row of ks (K per request): seconds of the step (probes come only where no
+        prompt wants the step), catch-up in full and taxed by the prices' error as drafts
+        are, and its expected tokens."""
         n = ks.sum(axis=1)
         seconds = self.cost.step_time(self.b, n, ks.max(axis=1), np.count_nonzero(ks, axis=1), self.context,
-                                      np.minimum(np.maximum(self.room - n, 0), self.demand), (ks > 0) @ self.backlog)
+                                      catch_up=(ks > 0) @ self.backlog)
         drafted = np.arange(self.gain.shape[1]) < ks[:, :, None]
         return (seconds + np.where(n > 0, self.cost.error * self.plain_step, 0.0),
                 self.b + (self.gain * drafted).sum(axis=(1, 2)))
