@@ -586,6 +586,18 @@ def test_a_prompt_steps_error_corrects_the_terms_its_price_is_made_of():
     assert float(model.step_time(100, 400, 4, 100, 0, prefill=1000)) == pytest.approx(decode + 0.003, rel=0.02)
 
 
+def test_prompt_steps_that_carry_a_catch_up_teach_the_prompt_terms():
+    """At load nearly every step with prompt tokens also carries a drafter's catch-up (a
+    request whose prompt has just ended): such steps teach the prompt terms, taking the
+    catch-up at its price, and leave that price to the decode steps."""
+    model = CostModel.from_function(true_cost, *grid_axes(16, 4), catch_up_fixed=0.003, catch_up_token=1e-6)
+    floor = float(model.step_time(8, 16, 2, 8, 0, prefill=20, catch_up=1000))
+    for _ in range(40):
+        model.observe(8, 16, 2, 8, 0, floor + 0.004, prefill=20, catch_up=1000)
+    assert model.prompt_fixed[2] == pytest.approx(0.004, rel=0.05)
+    assert model.catch_up_scale[0] == 1.0
+
+
 def test_steps_with_prompts_leave_the_decode_error_alone():
     """The error that taxes drafts is the decode steps': steps with prompt chunks that take
     three times their price (what arrived with them) do not raise it, however many."""

@@ -45,7 +45,10 @@ Kalman filter, `LinearFit`): its error moves the terms its price is made of (the
 cost of its K, and the price of the branch of the max that set it) in proportion to how
 uncertain each is, so that steps of many sizes tell the fixed cost from the price per
 token. A term no step has used for a while regains its uncertainty and is soon relearned
-once used. One whose drafter catches up corrects only the price of catching up (a scale on
+once used, and the price of its drafter's catch-up, if any, is taken as it stands: at load
+nearly every step with prompt tokens carries one (a request that has just finished its
+prompt), and prompt steps that taught only the catch-up kept their price wherever it was.
+A decode step whose drafter catches up corrects only the price of catching up (a scale on
 the profiled one).
 """
 
@@ -196,7 +199,7 @@ class CostModel:
             return predicted  # a model given as the truth (tests, simulations): it has no error
         self.num_observed += 1
         error = seconds - predicted
-        if catch_up:
+        if catch_up and not prefill:
             profiled = float(self.catch_up_time(catch_up)) / self.catch_up_scale[0]
             if profiled > 0:
                 self._learn(self.catch_up_scale, self.catch_up_weight, ((0, 1.0),),
