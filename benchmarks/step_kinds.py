@@ -9,7 +9,8 @@ shared it. `--split k` splits both kinds by their longest K; `--split around` in
 those just before a prompt step, just after one, and the others (the steps next to an
 arrival). For each policy and kind: steps, seconds and their share of the policy's, tokens
 committed and their rate, drafts per row, the median step and, where the policy predicted
-it (goodput), the median prediction. --min-rows keeps the steps with at least that many
+it (goodput), the median prediction, and how many of the steps carried a drafter's catch-up
+(goodput logs it). --min-rows keeps the steps with at least that many
 rows (one cell's steady state when a log holds several loads); --steps POLICY=FIRST:LAST
 keeps only those of that policy's steps (its lines' `step`, inclusive), one cell of a matrix.
 --prompt-fit also fits, per policy, each step that carries prompt tokens as the median decode
@@ -71,6 +72,7 @@ def summarize(lines: list[dict], min_rows: int = 0, split: str = "kind",
         out.append({"policy": policy, "kind": kind, "steps": len(steps), "seconds": seconds,
                     "share": seconds / total[policy], "tokens": tokens, "tokens_per_s": tokens / seconds,
                     "drafts_per_row": sum(sum(s["drafted"]) for s in steps) / sum(s["rows"] for s in steps),
+                    "with_catch_up": sum(s.get("catch_up", 0) > 0 for s in steps),
                     "median_ms": 1e3 * statistics.median(s["observed_s"] for s in steps),
                     "median_predicted_ms": 1e3 * statistics.median(s["predicted_s"] for s in steps)
                     if all("predicted_s" in s for s in steps) else None})
@@ -117,12 +119,13 @@ def main():
         first, _, last = span.partition(":")
         steps[policy] = (int(first), int(last))
     print(f"{'policy':10} {'kind':20} {'steps':>6} {'s':>7} {'share':>6} {'tokens':>7} {'tok/s':>7} "
-          f"{'drafts/row':>10} {'median ms':>9} {'predicted':>9}")
+          f"{'drafts/row':>10} {'median ms':>9} {'predicted':>9} {'catch-ups':>9}")
     lines = read(args.log)
     for r in summarize(lines, args.min_rows, args.split, steps):
         predicted = "" if r["median_predicted_ms"] is None else f"{r['median_predicted_ms']:9.2f}"
         print(f"{r['policy']:10} {r['kind']:20} {r['steps']:6d} {r['seconds']:7.2f} {r['share']:6.2f} "
-              f"{r['tokens']:7d} {r['tokens_per_s']:7.0f} {r['drafts_per_row']:10.2f} {r['median_ms']:9.2f} {predicted:>9}")
+              f"{r['tokens']:7d} {r['tokens_per_s']:7.0f} {r['drafts_per_row']:10.2f} {r['median_ms']:9.2f} {predicted:>9}"
+              f" {r['with_catch_up']:9d}")
     if args.prompt_fit:
         print(f"\n{'policy':10} {'prompt steps':>12} {'fixed ms':>8} {'us/prompt token':>15} {'median |residual|':>17}")
         for r in prompt_fit(lines, args.min_rows):

@@ -159,8 +159,10 @@ def test_step_kinds_tool(tmp_path):
                 "drafted": drafted, "accepted": accepted}
 
     lines = [line(1, 2, [2, 2], [1, 2], 0.01), line(2, 30, [2, 0], [0, 0], 0.03), line(3, 2, [1, 1], [0, 1], 0.01)]
+    lines[1]["catch_up"] = 500  # its drafter absorbed a prompt (goodput's lines say so)
     decode, prompt = summarize(lines)
     assert (decode["kind"], decode["steps"], decode["tokens"], decode["drafts_per_row"]) == ("decode", 2, 8, 1.5)
+    assert (decode["with_catch_up"], prompt["with_catch_up"]) == (0, 1)
     assert (prompt["kind"], prompt["tokens"], prompt["share"]) == ("prompt", 2, pytest.approx(0.6))
     assert [r["kind"] for r in summarize(lines, split="k")] == ["decode K=1", "decode K=2", "prompt K=2"]
     assert [r["kind"] for r in summarize(lines, split="around")] == ["after a prompt step", "before a prompt step",
@@ -186,3 +188,21 @@ def test_step_kinds_fits_what_a_prompt_adds():
     (fit,) = prompt_fit(lines)
     assert fit["steps"] == 6 and fit["median_abs_residual"] < 1e-9
     assert (fit["fixed_ms"], fit["us_per_prompt_token"]) == (pytest.approx(2.0), pytest.approx(10.0))
+
+
+def test_price_replay_learns_a_prompt_steps_price():
+    """A log whose steps with prompts take 5 ms more than their decode step and carry a
+    catch-up (as decode steps now and then do, at its price), replayed through the cost
+    model, ends with both kinds priced at what they took."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from price_replay import replay
+
+    def line(prompt, seconds, catch_up=0):
+        return {"policy": "goodput", "step": 0, "rows": 100, "new_tokens": 100 + prompt, "observed_s": seconds,
+                "drafted": [4] * 100, "accepted": [2] * 100, "catch_up": catch_up}
+
+    catch_up = 0.0003 + 2000 * 1e-6  # the replay's price of catching up over 2,000 tokens
+    lines = [line(0, 0.030), line(0, 0.030), line(0, 0.030 + catch_up, 2000),
+             line(1000, 0.035 + catch_up, 2000)] * 60
+    assert [(r["kind"], r["k"], r["median_price_over_taken"]) for r in replay(lines, max_num_seqs=128)] == [
+        ("decode", 4, pytest.approx(1.0, abs=0.01)), ("prompt", 4, pytest.approx(1.0, abs=0.01))]

@@ -45,11 +45,11 @@ Kalman filter, `LinearFit`): its error moves the terms its price is made of (the
 cost of its K, and the price of the branch of the max that set it) in proportion to how
 uncertain each is, so that steps of many sizes tell the fixed cost from the price per
 token. A term no step has used for a while regains its uncertainty and is soon relearned
-once used, and the price of its drafter's catch-up, if any, is taken as it stands: at load
+once used; the price of its drafter's catch-up, if any, is taken as it stands: at load
 nearly every step with prompt tokens carries one (a request that has just finished its
-prompt), and prompt steps that taught only the catch-up kept their price wherever it was.
-A decode step whose drafter catches up corrects only the price of catching up (a scale on
-the profiled one).
+prompt), and were such steps to teach the catch-up, none would teach the prompt terms. A
+decode step whose drafter catches up corrects only the price of catching up (a scale on the
+profiled one).
 """
 
 from __future__ import annotations
