@@ -574,8 +574,8 @@ def test_a_prompt_steps_error_corrects_the_terms_its_price_is_made_of():
     """Prompt steps priced by the decode grid (their tokens' floor below it) teach the fixed
     cost of their K. Were their error to teach the price of a compute-bound token instead, a
     fixed cost learned too high once would stay so: the price would sink under the grid and
-    the error stay (seen on an H100: steps at K = 4 beside prompts priced 16% over, for
-    hundreds of steps, and given fewer drafts than they paid for)."""
+    the error stay, and such steps would get fewer drafts than they pay for
+    (docs/design.md, "The goodput policy")."""
     model = CostModel.from_function(lambda b, w: 0.030 + 1e-5 * b * w, *grid_axes(256, 4))
     model.prompt_fixed[4], model.prompt_seen[4] = 0.020, True
     decode = float(model.step_time(100, 400, 4, 100, 0))
