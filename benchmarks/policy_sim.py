@@ -72,18 +72,20 @@ def catch_up_ms(tokens: int) -> float:
     return CATCH_UP_MS[0] + CATCH_UP_MS[1] * tokens if tokens else 0.0
 
 
-def price_list(cost_ms, spec: SpecConfig, max_num_seqs: int) -> CostModel:
+def price_list(cost_ms, spec: SpecConfig, max_num_seqs: int, pass_scale: float = 1.0) -> CostModel:
     """The cost function as a start-up profile would measure it: the target's decode grid
     and the drafter's proposals at K = 1 and the largest K, a fixed part and a price per
     pass fitted through them (`tidal.profiling`); the engine's online corrections then
-    learn the rest (steps with prompt tokens)."""
+    learn the rest (steps with prompt tokens). `pass_scale`: a profile that times each
+    drafter pass at that multiple of what it takes while serving (timed alone, its host
+    work shows; in a served step it hides behind the step before)."""
     k = spec.max_draft_len
     batch_sizes, widths = grid_axes(max_num_seqs, k)
     grid = [[cost_ms(b, b * (w - 1), 0, 0) / 1e3 for w in widths] for b in batch_sizes]
     first, last = ([(cost_ms(b, b, n, b) - cost_ms(b, b, 0, 0)) / 1e3 for b in batch_sizes] for n in (1, k))
     passes = [spec.draft_depth(n) for n in range(k + 1)]
     span = passes[k] - passes[1]
-    step = [(hi - lo) / span if span else lo for lo, hi in zip(first, last)]
+    step = [pass_scale * (hi - lo) / span if span else lo for lo, hi in zip(first, last)]
     return CostModel(batch_sizes, widths, grid, draft_fixed=[lo - s for lo, s in zip(first, step)], draft_step=step,
                      draft_passes=passes, catch_up_fixed=CATCH_UP_MS[0] / 1e3, catch_up_token=CATCH_UP_MS[1] / 1e3,
                      source="simulated")
@@ -268,6 +270,9 @@ def main():
     p.add_argument("--pause-every", type=float, default=0,
                    help="the host pauses in one step of this many, at random (0: never)")
     p.add_argument("--pause-ms", type=float, default=250.0, help="how long a pause adds to its step")
+    p.add_argument("--profile-pass-scale", type=float, default=1.0,
+                   help="goodput's profile prices each drafter pass at this multiple of the truth "
+                        "(online corrections must find the rest)")
     p.add_argument("--json")
     p.add_argument("--decision-log", help="append every policy's line per step here (as the engine's decision_log)")
     args = p.parse_args()
@@ -290,7 +295,7 @@ def main():
             elif mode.startswith("fixed:"):
                 policy = Fixed(int(mode.split(":")[1]))
             else:
-                policy = Goodput(price_list(args.cost, args.spec, max(256, c)), args.k)
+                policy = Goodput(price_list(args.cost, args.spec, max(256, c), args.profile_pass_scale), args.k)
                 policy.acceptance.marginal = args.topk > 1
                 if mode == "oracle":
                     policy.acceptance = Told(args.k)

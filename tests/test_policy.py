@@ -482,6 +482,26 @@ def test_a_spell_of_slow_steps_raises_every_width_alike():
     assert k4 - k3 < 2 * (true_cost(1, 5) - true_cost(1, 4))
 
 
+def test_a_width_explored_now_and_then_takes_the_price_it_was_seen_at():
+    """A profile that prices each draft too dear (timed alone, a drafter's host work shows
+    that a served step hides): the policy runs K = 3, and K = 4 and K = 2 once in 64 steps
+    each (exploration). The steps at K = 3 set the drafting level; what K = 4 and K = 2 are
+    seen to take beyond it must stick to their own prices, not stay the profile's (at K = 4
+    a price 5% too dear held it back on an H100 at 8 clients of the MoE) nor drift with
+    K = 3's errors."""
+    rng = random.Random(0)
+
+    def truth(b, w):
+        return 0.005 + 0.0009 * b ** 0.5 + 0.0006 * (w - 1) * (1 + b / 32)
+
+    model = CostModel.from_function(lambda b, w: truth(b, w) + 0.0007 * (w - 1) * (1 + b / 32), *grid_axes(256, 4))
+    for t in range(130):
+        w = {0: 5, 32: 3}.get(t % 64, 4)
+        observe_shape(model, 8, w, truth(8, w) * rng.uniform(0.99, 1.01))
+    for w in (3, 4, 5):
+        assert float(model.step_time(8, 8 * (w - 1), w - 1, 8, 0)) == pytest.approx(truth(8, w), rel=0.02)
+
+
 def test_one_pause_does_not_price_a_width_for_good():
     """A drafting step that took 14 times its price (a pause of the host, seen on the H200
     at 256 clients) made drafting look 25% dearer, and goodput went to K = 0 and stayed

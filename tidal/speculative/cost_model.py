@@ -33,7 +33,13 @@ proposer's host work, which a busy host may not hide behind the step before). K 
 price thus stays what plain steps are seen to take however long the policy drafts; were
 a few slow drafting steps to raise it, K = 0 would look dear and, never tried again, stay
 so. Each is a running mean at first, then an exponential average; the level's faster than
-the cells', and one step moves a cell by at most a fifth of its prediction. A spell of
+the cells', and one step moves a cell by at most a fifth of its prediction. A cell's
+observations weigh less with every decode step, not with each of its own: a width run
+only now and then (explored, beside the one chosen) takes the price it was last seen at,
+where an average over its own sightings would keep most of a profile's figure for
+hundreds of steps and hold a width priced too dear out of the choice. For the same reason
+every width of a chain up to K = 4 is a grid point: steps at a width between two points
+would move both neighbours with their own error. A spell of
 slow steps (a pause, another tenant) thus raises every width's price, not just that of
 the width it ran at, which would otherwise look dear once the spell is over and, no
 longer chosen, never be seen at its true price again. A lone step far slower than the
@@ -58,7 +64,7 @@ from typing import Callable
 
 import numpy as np
 
-PROFILE_WIDTHS = (1, 2, 3, 5, 9, 17)
+PROFILE_WIDTHS = (1, 2, 3, 4, 5, 9, 17)
 
 
 def bracket(x: float, points: np.ndarray) -> tuple[int, int, float]:
@@ -81,8 +87,9 @@ class CostModel:
         self.widths = np.asarray(widths, dtype=float)
         shape = (len(self.batch_sizes), len(self.widths))
         self.grid = np.zeros(shape) if grid is None else np.array(grid, dtype=float)
-        # Observations behind each cell; a measured cell counts as one.
+        # Observations behind each cell, fading by `rate` a decode step; a measured cell counts as one.
         self.weight = np.zeros(shape) if grid is None else np.ones(shape)
+        self.known = np.full(shape, grid is not None)  # profiled, or observed since
         # Corrections per batch size, learned from plain steps [0] (every step pays it) and from
         # drafting steps [1] (what they take beyond that), and their observations.
         self.level = np.zeros((2, shape[0]))
@@ -228,10 +235,11 @@ class CostModel:
         typical = self.error if self.num_decodes else 1.0
         self.error = miss if self.num_decodes == 0 else 0.95 * self.error + 0.05 * miss
         self.num_decodes += 1
+        self.weight *= 1 - self.rate
         b0, b1, f = bracket(batch, self.batch_sizes)
         w0, w1, g = bracket(self._width(batch, num_drafts, max_draft), self.widths)
         kind = int(num_drafts > 0)
-        measured = self.weight[b0, w0] > 0 and self.weight[b1, w1] > 0  # profiled, or observed before
+        measured = self.known[b0, w0] and self.known[b1, w1]
         if measured or (self.level_weight[kind, b0] > 0 and self.level_weight[kind, b1] > 0):
             # A step far slower than the model usually misses by is a pause (the host, the
             # machine), not the price of its shape: it counts as `pause_misses` typical
@@ -245,6 +253,8 @@ class CostModel:
         if measured:
             error = float(np.clip(error, -self.cell_step * predicted, self.cell_step * predicted))
         self._learn(self.grid, self.weight, cells, error)
+        for index, w in cells:
+            self.known[index] |= w > 0
         return predicted
 
     def _learn(self, values, weights, targets, error, rate=None) -> float:
@@ -286,7 +296,7 @@ class LinearFit:
 # -- the grid a start-up profile measures (`tidal.profiling`) --------------------------------
 
 def grid_axes(max_batch: int, max_draft_len: int) -> tuple[list[int], list[int]]:
-    """Batch sizes 1, 2, 4 .. max_batch; widths 1, 2, 3, 5, 9, 17 up to 1 + max_draft_len."""
+    """Batch sizes 1, 2, 4 .. max_batch; widths 1, 2, 3, 4, 5, 9, 17 up to 1 + max_draft_len."""
     batch_sizes = sorted({min(2 ** i, max_batch) for i in range(max_batch.bit_length() + 1)})
     widths = sorted({w for w in PROFILE_WIDTHS if w <= max_draft_len} | {1, max_draft_len + 1})
     return batch_sizes, widths
