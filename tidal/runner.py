@@ -16,6 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tidal.attention import get_backend
@@ -29,6 +30,22 @@ from tidal.models.config import ModelConfig
 from tidal.models.loader import load_model
 from tidal.speculative.verify import verify
 from tidal.step import Ahead, Drafts, Span, StepPlan, StepResult
+
+
+def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU its memory comes from calloc (numpy's zeros): the
+    kernel maps a large one to zero pages on first touch, so a cache of kv_cache_memory_gb
+    costs nothing until its pages are used, where torch.zeros writes every byte first
+    (half a second per gigabyte at start-up, and the whole of it resident however little
+    is used). 64-byte aligned, as torch's own allocations are."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
+    start = -raw.data_ptr() % 64
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def resolve_dtype(name: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -175,7 +192,7 @@ class ModelRunner:
         aux_width = len(self.aux_layer_ids) * self.model_config.hidden_size
         if aux_width:
             self.model.aux_layer_ids = self.aux_layer_ids
-            self.aux_cache = torch.zeros(num_pages * self.page_size, aux_width, dtype=self.dtype, device=self.device)
+            self.aux_cache = cache_zeros((num_pages * self.page_size, aux_width), self.dtype, self.device)
 
     @on_every_rank
     def capture_graphs(self) -> None:
@@ -237,7 +254,7 @@ class ModelRunner:
         """Every layer's KV cache in one tensor [layers, 2, num_pages, page_size, kv heads,
         head_dim], so that a tree's accepted KV moves in every layer at once (`_keep_accepted`)."""
         shape = (mc.num_layers, 2, num_pages, self.page_size, kv_heads or mc.num_kv_heads, mc.head_dim)
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return cache_zeros(shape, self.dtype, self.device)
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, drafts: Drafts | None = None, ahead: Ahead | None = None) -> PendingStep:
