@@ -39,12 +39,12 @@ from tidal.demo import DEMO_DIR
 TREES = ((4, 5, 8), (4, 5, 16))  # (topk, depth, nodes)
 
 
-def check_correctness(device: str, results: dict) -> None:
+def check_correctness(device: str, results: dict, num_prompts: int = 6, max_tokens: int = 40) -> None:
     target, head = str(DEMO_DIR / "target"), str(DEMO_DIR / "eagle3")
-    prompts = random_prompts(6, 12, 384, seed=1)
-    params = {"greedy": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-              "seeded": [SamplingParams(temperature=t, seed=s, max_tokens=40, ignore_eos=True)
-                         for s, t in enumerate((0.8, 1.2, 0.0, 0.6, 1.0, 0.7))]}
+    prompts = random_prompts(num_prompts, 12, 384, seed=1)
+    params = {"greedy": SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+              "seeded": [SamplingParams(temperature=t, seed=s, max_tokens=max_tokens, ignore_eos=True)
+                         for s, t in enumerate((0.8, 1.2, 0.0, 0.6, 1.0, 0.7)[:num_prompts])]}
     plain = LLM(model=target, dtype="float32", device=device)
     want = {k: [o.outputs[0].token_ids for o in plain.generate(prompts, p, use_tqdm=False)] for k, p in params.items()}
     del plain
@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--siblings", type=float, nargs="+", default=[0.15, 0.3],
                     help="each further child's chance against the one before")
     ap.add_argument("--chains", type=int, nargs="+", default=[3, 4, 5, 6], help="chain lengths K to time")
-    ap.add_argument("--rows", type=int, default=64, help="requests in the profiled steps under load")
+    ap.add_argument("--rows", type=int, help="requests in the profiled steps under load (default 64; smoke 8)")
     ap.add_argument("--deadline", type=float, default=480.0, help="seconds after which sections are skipped")
     ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "batch1", "loaded"],
                     help="groups of sections not to run")
@@ -98,6 +98,10 @@ def main():
                "note": f"speed rows: random weights, SIMULATED acceptance {args.rate} (trees: sibling factors "
                        f"{args.siblings})"}
     new_tokens = 32 if args.smoke else 256
+    # Steps under the profiler: on the CPU its trace of a step is thousands of host ops, and
+    # reading 24 steps' back took most of a smoke run (a minute of its two and a half).
+    profiled_steps = 3 if args.smoke else 24
+    args.rows = args.rows or (8 if args.smoke else 64)
     common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
                   max_model_len=1024, max_num_seqs=4)
 
@@ -129,7 +133,7 @@ def main():
             if spec:
                 rate["mean_accepted_length"] = llm.engine.stats()["spec"]["mean_accepted_length"]
             if profiled:  # where a step's time goes: the GPU's kernels, or the host between them
-                rate["profile"] = where_time_goes(llm, one, top_kernels=12)
+                rate["profile"] = where_time_goes(llm, one, steps=profiled_steps, top_kernels=12)
             results["b1"][label] = rate
             del llm
             free_memory()
@@ -137,12 +141,14 @@ def main():
         def loaded(label, spec):
             llm = LLM(model=str(model_dir), speculative_config=spec, **{**common, "max_num_seqs": args.rows})
             prompts = random_prompts(args.rows, 128, shape["vocab_size"], seed=4)
-            results["loaded"][label] = where_time_goes(llm, prompts, top_kernels=24, params=lambda n: SamplingParams(
+            results["loaded"][label] = where_time_goes(llm, prompts, profiled_steps, top_kernels=24, params=lambda n: SamplingParams(
                 temperature=0.7, max_tokens=n, ignore_eos=True, seed=0))
             del llm
             free_memory()
 
-        section("correctness", lambda: check_correctness(device, results), "correctness")
+        # (smoke: 3 prompts, a greedy one among the sampled, of 20 tokens)
+        section("correctness", lambda: check_correctness(device, results, *((3, 20) if args.smoke else ())),
+                "correctness")
         section("plain", lambda: b1("plain", None), "batch1")
         eagle = {"method": "eagle3", "model": str(head_dir), "policy": "fixed"}
         for k in args.chains:
