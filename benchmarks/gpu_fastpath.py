@@ -371,6 +371,8 @@ def main():
                "note": "random weights; speculation rows use SIMULATED acceptance"}
     batch, prompt_len, new_tokens = (8, 16, 16) if args.smoke else (256, 128, 128)
     b1_tokens = 32 if args.smoke else 256
+    # Steps under the profiler: on the CPU its trace of a step is thousands of host ops, slow to read back.
+    profiled_steps = 3 if args.smoke else 24
     common = dict(device=device, dtype="bfloat16" if device == "cuda" else "float32", load_format="dummy",
                   max_model_len=256 if args.smoke else 2048, max_num_seqs=batch, num_pages=(batch * (prompt_len + new_tokens + 8)) // 16 + 64)
 
@@ -404,9 +406,9 @@ def main():
             speed["plain_offline"] = decode_rate(llm, many, new_tokens)
             speed["plain_offline_top_p"] = decode_rate(llm, many, new_tokens, top_p(new_tokens))
             speed["scheduler_overhead"] = scheduler_overhead(llm, many, new_tokens)
-            speed["profile_b1"] = where_time_goes(llm, one)
+            speed["profile_b1"] = where_time_goes(llm, one, profiled_steps)
             speed["host_phases_b1"] = host_phases(llm, one, b1_tokens)
-            speed["profile_full_batch"] = where_time_goes(llm, many)
+            speed["profile_full_batch"] = where_time_goes(llm, many, profiled_steps)
             del llm
             free_memory()
 
@@ -425,7 +427,7 @@ def main():
             speed[f"{name}_b1"] = decode_rate(llm, one, b1_tokens)
             if cfg.get("policy") == "off":
                 speed[f"{name}_b64"] = decode_rate(llm, mid, new_tokens)
-            speed[f"profile_{name}_b1"] = where_time_goes(llm, one)
+            speed[f"profile_{name}_b1"] = where_time_goes(llm, one, profiled_steps)
             speed[f"host_phases_{name}_b1"] = host_phases(llm, one, b1_tokens)
             del llm
             free_memory()
