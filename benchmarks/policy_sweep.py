@@ -202,9 +202,10 @@ def main():
     device = "cpu" if args.smoke else "cuda"
     shape = SMOKE if args.smoke else LLAMA_8B
     levels = (1, 4) if args.smoke else (1, 10, 70, 250)
-    bursty = [(c, 2 * c) for c in ((1, 8, 1, 8) if args.smoke else (1, 128, 1, 128))]
-    prompt_len, new_tokens = (24, 16) if args.smoke else (128, 128)  # smoke: a prompt past one page
-    loads = {**{f"c={c}": [(c, requests_for(c))] for c in levels}, "bursty": bursty}
+    bursty = [(c, 2 * c) for c in ((1, 4, 1, 4) if args.smoke else (1, 128, 1, 128))]
+    prompt_len, new_tokens = (24, 8) if args.smoke else (128, 128)  # smoke: a prompt past one page
+    # (smoke: 2c + 1 requests, the fewest whose window, first end to last start, is not empty)
+    loads = {**{f"c={c}": [(c, 2 * c + 1 if args.smoke else requests_for(c))] for c in levels}, "bursty": bursty}
     if args.loads:
         if set(args.loads) - set(loads):
             ap.error(f"--loads: choose from {list(loads)}")
@@ -220,7 +221,8 @@ def main():
         for acc in args.acceptance:
             sc = {"method": "eagle3", "model": str(eagle_dir), "num_speculative_tokens": 4,
                   "policy": "goodput", "simulate_acceptance": acc,
-                  "decision_log": str(Path(tmp) / f"decisions_a{acc}.jsonl")}  # local disk: $OUT may be slow
+                  "decision_log": str(Path(tmp) / f"decisions_a{acc}.jsonl"),  # local disk: $OUT may be slow
+                  **({"profile_seconds": 0.5} if args.smoke else {})}
             llm = LLM(model=str(model_dir), speculative_config=sc, device=device, load_format="dummy",
                       dtype="bfloat16" if device == "cuda" else "float32", max_model_len=1024,
                       max_num_seqs=max_seqs, num_pages=max_seqs * (prompt_len + new_tokens + 16) // 16 + 64)
