@@ -486,9 +486,9 @@ def test_a_width_explored_now_and_then_takes_the_price_it_was_seen_at():
     """A profile that prices each draft too dear (timed alone, a drafter's host work shows
     that a served step hides): the policy runs K = 3, and K = 4 and K = 2 once in 64 steps
     each (exploration). The steps at K = 3 set the drafting level; what K = 4 and K = 2 are
-    seen to take beyond it must stick to their own prices, not stay the profile's (at K = 4
-    a price 5% too dear held it back on an H100 at 8 clients of the MoE) nor drift with
-    K = 3's errors."""
+    seen to take beyond it must stick to their own prices, not stay the profile's nor drift
+    with K = 3's errors (docs/design.md, "a cell's observations fade": a K = 4 priced too
+    dear on a GPU)."""
     rng = random.Random(0)
 
     def truth(b, w):
