@@ -7,8 +7,6 @@ import json
 import os
 from typing import Sequence
 
-from transformers import AutoTokenizer
-
 # Prompt tokens decoded ahead of the first output token, so that the first token's text
 # (e.g. a SentencePiece leading space) comes out as it would in context.
 PROMPT_CONTEXT_TOKENS = 5
@@ -34,6 +32,11 @@ class Tokenizer:
         """Load from local files only (never downloads). End-of-sequence ids are the
         tokenizer's EOS plus generation_config.json's `eos_token_id` (instruct models often
         list several there, e.g. an end-of-turn token)."""
+        # transformers is imported here, not with the module: it is a second and more of
+        # start-up that processes without text (an engine core's, a tensor-parallel rank's)
+        # do not need.
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         return cls(hf, _generation_eos_ids(model_dir))
 
