@@ -60,6 +60,11 @@ class AsyncEngine:
             atexit.register(self.process.kill)
         inbox_reader.close()
         outbox_writer.close()
+        try:  # while the core starts (a second or more of its imports alone)
+            self.tokenizer = Tokenizer.from_pretrained(config.model)
+        except BaseException:
+            self.process.kill()
+            raise
         if not self._from_core.poll(start_timeout):
             self.process.kill()
             raise RuntimeError(f"the engine core did not start within {start_timeout:g} s")
@@ -71,7 +76,6 @@ class AsyncEngine:
                                "its error is in the log above") from None
         self.max_model_len, self.description = info["max_model_len"], info["describe"]
         self.metrics.update_stats(info["stats"])
-        self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.outputs = OutputProcessor(self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, self.max_model_len, info["vocab_size"],
                                      config.speculative_config, config.seed, self.outputs.requests.__contains__)
