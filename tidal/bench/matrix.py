@@ -43,8 +43,6 @@ WORKLOADS = {w.name: w for w in (
     Workload("W4", 64, 512, 0.7, [0.9, 0.75, 0.6, 0.45]),
     Workload("W5", 256, 256, 0.7, {"mean": 0.6, "std": 0.25}),  # per request, from ~0.1 to ~0.95
 )}
-MATRIX_MODES = "none,fixed:1,fixed:2,fixed:4,goodput"
-MATRIX_CONCURRENCY = "1,8,32,128,256"
 
 
 def parse_workloads(text: str) -> list[Workload]:
