@@ -177,7 +177,8 @@ def test_matrix_smoke(checkpoint, tmp_path):
     model = checkpoint("llama")
     workloads = [Workload("spread", 8, 6, 0.7, {"mean": 0.6, "std": 0.25}), Workload("never", 6, 6, 0.0, 0.0)]
     loads = cell_loads([1, 3], requests_per_client=1, min_requests=2)
-    drafter = {"method": "draft_model", "model": model, "num_speculative_tokens": 2}  # drafts every step
+    # Drafts every step; goodput's start-up profile is cut short (its 3 s default is server start-up alone).
+    drafter = {"method": "draft_model", "model": model, "num_speculative_tokens": 2, "profile_seconds": 0.5}
     cells_seen = []
     report = run_matrix(["none", "fixed:2", "goodput"], workloads, loads, model=model, spec_config=drafter,
                         server_args=["--device", "cpu", "--dtype", "float32"], num_warmups=1, server_timeout=120,
