@@ -22,7 +22,7 @@ from test_server import uvicorn_thread
 PAIR = Path(tidal.__file__).parent / "demo_pair"
 TARGET = str(PAIR / "target")
 PROMPTS = ["Tell me about the ocean.", "Once upon a time", "The best way to learn", "Why is the sky blue?"]
-SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=1000 + i, ignore_eos=True)
+SEEDED = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=1000 + i, ignore_eos=True)
           for i in range(len(PROMPTS))]
 
 
@@ -68,6 +68,8 @@ def test_seeded_outputs_do_not_depend_on_speculation(method, policy, drafter, pl
     k = int(policy.split(":")[1]) if policy.startswith("fixed") else 4
     spec = {"method": method, "model": str(PAIR / "eagle3") if method == "eagle3" else drafter,
             "num_speculative_tokens": k, "policy": policy.split(":")[0]}
+    if policy == "goodput":
+        spec["cost_model"] = "online"  # no start-up profile: `free_drafts` prices the steps
     for async_scheduling in (True, False):
         llm = LLM(model=TARGET, speculative_config=spec, async_scheduling=async_scheduling)
         if policy == "goodput":
@@ -80,7 +82,8 @@ def test_seeded_outputs_do_not_depend_on_speculation(method, policy, drafter, pl
 
 def test_seeded_streams_through_the_server_equal_plain_outputs(plain):
     config = EngineConfig(model=TARGET, device="cpu", speculative_config={
-        "method": "eagle3", "model": str(PAIR / "eagle3"), "num_speculative_tokens": 4})  # goodput
+        "method": "eagle3", "model": str(PAIR / "eagle3"), "num_speculative_tokens": 4,
+        "profile_seconds": 0.5})  # goodput, its start-up profile cut short
 
     async def one(client, prompt, params):
         stream = await client.completions.create(
