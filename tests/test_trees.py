@@ -316,8 +316,9 @@ def test_a_tree_is_priced_by_its_depth_and_its_nodes(models):
     llm = LLM(model=models["target"], page_size=4, max_num_seqs=8, speculative_config=config)
     assert llm.engine.core.scheduler.policy.cost.draft_passes.tolist() == passes
     # Priced as the profile fits it: 1 ms a proposal and 2 ms a pass.
-    cost = CostModel(*grid_axes(8, 16), [[5e-3] * 6] * 4, draft_fixed=[1e-3] * 4, draft_step=[2e-3] * 4,
-                     draft_passes=passes)
+    batch_sizes, widths = grid_axes(8, 16)
+    cost = CostModel(batch_sizes, widths, [[5e-3] * len(widths)] * len(batch_sizes), draft_fixed=[1e-3] * 4,
+                     draft_step=[2e-3] * 4, draft_passes=passes)
     drafting = [float(cost.step_time(1, k, k, 1, 0.0) - cost.step_time(1, k, k, 0, 0.0)) for k in (1, 4, 5, 16)]
     assert drafting == pytest.approx([3e-3, 9e-3, 11e-3, 11e-3])
 
