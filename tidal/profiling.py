@@ -192,7 +192,7 @@ def cached_costs(key: dict, measure: Callable[[], CostModel]) -> CostModel:
 
 def cost_key(runner, proposer) -> dict:
     """What a cost profile depends on: the device, the software, the models' shapes, the
-    engine's shapes."""
+    engine's shapes, the shapes it measures (a grid of other widths is measured again)."""
     config = runner.config
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else \
         f"cpu x{os.cpu_count()}"
@@ -205,7 +205,8 @@ def cost_key(runner, proposer) -> dict:
             "long_context": long_context(runner, config.max_num_seqs, runner.max_draft_len, runner.max_model_len),
             "max_num_batched_tokens": config.max_num_batched_tokens, "k": runner.max_draft_len,
             "topk": config.speculative_config.topk, "depth": config.speculative_config.num_speculative_tokens,
-            "seconds": config.speculative_config.profile_seconds}
+            "seconds": config.speculative_config.profile_seconds,
+            "grid": grid_axes(config.max_num_seqs, runner.max_draft_len)}
 
 
 def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_model_len: int,
