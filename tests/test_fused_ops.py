@@ -140,7 +140,7 @@ def test_accept_tree_walks_as_the_torch_walk(simulate, nodes):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("hidden, n", [(128, 37), (1000, 130)])
+@pytest.mark.parametrize("hidden, n", [(128, 37), (300, 130)])
 def test_gemv_is_the_product_and_swiglu(dtype, gated, hidden, n):
     """One token's product in one kernel, with the SwiGLU after it or not: the unfused
     modules' result, rounded the same way (an output count that leaves the last block of
@@ -152,12 +152,18 @@ def test_gemv_is_the_product_and_swiglu(dtype, gated, hidden, n):
     close(fused.gemv(x, w, gated=gated, block_k=64), SiluAndMul()(want) if gated else want)
 
 
-@pytest.mark.parametrize("max_width, trees, tiles", [(5, False, {8}), (17, False, {8, 16, 32}), (17, True, {8})])
-def test_start_up_builds_the_acceptance_tile_of_every_chain_width(monkeypatch, max_width, trees, tiles):
+@pytest.mark.parametrize("max_width, trees, tiles, whole", [(5, False, {8}, True), (17, False, {8, 16, 32}, False),
+                                                           (17, True, {8}, False)])
+def test_start_up_builds_the_acceptance_tile_of_every_chain_width(monkeypatch, max_width, trees, tiles, whole):
     """`accept_matching`'s tile follows the width (at least 8): start-up builds one for every
     width a chain step can verify, 2 .. max_width, or 2 alone in an engine that drafts trees
-    (its chains are of one node), with and without simulated acceptance."""
+    (its chains are of one node), with and without simulated acceptance. (The first case
+    builds the other variants too; the others, whose widths are all that differs, skip those
+    that run 512 rows, slow in the interpreter.)"""
     built = set()
+    if not whole:
+        monkeypatch.setattr(fused, "build_argmax_variants", lambda *args: None)
+        monkeypatch.setattr(fused, "race_sample", lambda *args: None)
 
     def record(best, drafts, lens, u=None):
         built.add((fused.matching_tile(best.shape[1]), u is None))
@@ -321,11 +327,17 @@ def test_accept_matching_commits_what_verify_commits(simulate):
     assert [t[:n] for t, n in zip(tokens.tolist(), accept)] == [t[:n] for t, n in zip(want_tokens.tolist(), accept)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gated", [False, True])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("hidden, n, tiles", [(128, 37, None), (1000, 130, None), (96, 2050, None),
-                                              (100, 45, (4, 4)), (64, 33, (2, 8))])
+# Every flag on each shape; the output count at which `norm_gemv_tiles` takes several rows a
+# program (2,050: 513 or 1,025 programs, slow in the interpreter) once gated and once not:
+# the kernel's several-row path meets every flag at the explicit tiles.
+NORM_GEMV_CASES = [(hidden, n, tiles, with_residual, gated, dtype)
+                   for hidden, n, tiles in [(128, 37, None), (1000, 130, None), (100, 45, (4, 4)), (64, 33, (2, 8))]
+                   for with_residual in (False, True) for gated in (False, True) for dtype in DTYPES]
+NORM_GEMV_CASES += [(96, 2050, None, True, True, torch.float32), (96, 2050, None, False, False, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("hidden, n, tiles, with_residual, gated, dtype", NORM_GEMV_CASES,
+                         ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_norm_gemv_is_the_add_the_norm_and_the_product(dtype, gated, with_residual, hidden, n, tiles):
     """One token's residual add, RMSNorm and product (with the SwiGLU or not) in one kernel:
     the unfused modules' stream (exactly), normed row and product, with a bias or not (Qwen2's
