@@ -129,12 +129,13 @@ def test_greedy_decode_matches_transformers_generate(checkpoint, arch):
     assert len(set(tokens[len(prompt):])) > 4, "tiny model collapsed onto a repeated token"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "mistral"])
 def test_one_token_kernels_decode_as_the_modules(checkpoint, arch, monkeypatch):
     """A one-token decode through the kernels CUDA runs it with (the add and norm in the
     q|k|v, gate|up and router products, `norm_product`; the GEMVs after attention), run here
     through Triton's interpreter, gives the modules' logits: the layers hand the norms, the
-    residual stream and the normed tokens on as the unfused path does."""
+    residual stream and the normed tokens on as the unfused path does. (Mistral's decoder is
+    Llama's layer for layer: its case ran llama's kernels again, 8-11 s in the interpreter.)"""
     pytest.importorskip("triton")
     from tidal.layers import linear
 
