@@ -243,6 +243,8 @@ def main() -> None:
         spec = mode_spec_config(mode, base)
         if spec and spec["policy"] == "goodput":
             spec["decision_log"] = str(out / f"decisions_{args.workload}.jsonl")
+            if args.smoke:
+                spec["profile_seconds"] = 0.5  # the start-up profile runs, shorter
         engine = LLM(model=str(model), speculative_config=spec, **engine_args).engine
         tokenizer, vocab = engine.tokenizer, shape["vocab_size"]
         warm, _ = random_requests(tokenizer, 2, w.input_len, w.output_len, seed=10**6, model_vocab_size=vocab)

@@ -82,8 +82,7 @@ def test_seeded_outputs_do_not_depend_on_speculation(method, policy, drafter, pl
 
 def test_seeded_streams_through_the_server_equal_plain_outputs(plain):
     config = EngineConfig(model=TARGET, device="cpu", speculative_config={
-        "method": "eagle3", "model": str(PAIR / "eagle3"), "num_speculative_tokens": 4,
-        "profile_seconds": 0.5})  # goodput, its start-up profile cut short
+        "method": "eagle3", "model": str(PAIR / "eagle3"), "num_speculative_tokens": 4})  # goodput
 
     async def one(client, prompt, params):
         stream = await client.completions.create(
