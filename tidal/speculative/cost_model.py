@@ -33,17 +33,17 @@ proposer's host work, which a busy host may not hide behind the step before). K 
 price thus stays what plain steps are seen to take however long the policy drafts; were
 a few slow drafting steps to raise it, K = 0 would look dear and, never tried again, stay
 so. Each is a running mean at first, then an exponential average; the level's faster than
-the cells', and one step moves a cell by at most a fifth of its prediction. A cell's
-observations weigh less with every decode step, not with each of its own: a width run
-only now and then (explored, beside the one chosen) takes the price it was last seen at,
-where an average over its own sightings would keep most of a profile's figure for
-hundreds of steps and hold a width priced too dear out of the choice. For the same reason
-every width of a chain up to K = 4 is a grid point: steps at a width between two points
-would move both neighbours with their own error. A spell of
+the cells', and one step moves a cell by at most a fifth of its prediction. A spell of
 slow steps (a pause, another tenant) thus raises every width's price, not just that of
 the width it ran at, which would otherwise look dear once the spell is over and, no
 longer chosen, never be seen at its true price again. A lone step far slower than the
 model usually misses by is a pause, not a price: it counts as a few typical misses.
+A cell's observations weigh less with every decode step, not with each of its own: a
+width run only now and then (explored, beside the one chosen) takes the price it was last
+seen at, where an average over its own sightings would keep most of a profile's figure for
+hundreds of steps and hold a width priced too dear out of the choice. For the same reason
+every width of a chain up to K = 4 is a grid point: steps at a width between two points
+would move both neighbours with their own error.
 With no profile the grid starts at zero and is learned the same way: an unseen width looks
 as cheap as the plain step, so the policy tries it once and from then on knows its price.
 A step that carries prompt tokens corrects only the prompt terms, all of them at once (a
