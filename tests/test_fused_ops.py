@@ -185,13 +185,22 @@ def test_empty_batches():
     assert q.shape == (0, 2, 8) and k.shape == (0, 1, 8)
 
 
-@pytest.mark.parametrize("n, vocab", [(9, 5), (9, 3000), (9, 70_000), (130, 9000)])
-def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab):
+def spread_over(monkeypatch, programs: int) -> None:
+    """Set the programs `_first_best` spreads a batch's rows over (512): at 64, n / 8 rows
+    split as n rows do at 512 (as many splits, of as many blocks, the same padding), with an
+    eighth of the programs, each of which takes milliseconds in the interpreter."""
+    monkeypatch.setattr(fused, "_BEST_PROGRAMS", programs)
+
+
+@pytest.mark.parametrize("n, vocab, programs", [(9, 5, 512), (9, 3000, 512), (9, 70_000, 512), (17, 9000, 64)])
+def test_race_sample_draws_what_the_torch_sampler_draws(n, vocab, programs, monkeypatch):
     """The one-pass sampling kernel computes the same uniforms and the same race as
     `sampler.sample_from_probs` (row-strided weights, zero weights, one block, several, and
-    a vocabulary split over programs, with several blocks each and one split empty)."""
+    a vocabulary split over programs, with several blocks each and one split empty: 17
+    rows over 64 programs, as 130 over 512)."""
     from tidal.layers import sampler
 
+    spread_over(monkeypatch, programs)
     torch.manual_seed(0)
     weights = (torch.rand(n, vocab + 7) ** 4)[:, :vocab]
     weights[:, ::3] = 0.0
@@ -253,12 +262,15 @@ def test_row_keys_are_the_samplers(unit):
         assert got.shape == (5, 4) and torch.equal(got, want(seeds.unsqueeze(1), grid, stream))
 
 
-@pytest.mark.parametrize("n, vocab", [(1, 5), (1, 70_000), (3, 9000), (120, 20_000), (300, 2100)])
-def test_argmax_is_torchs_first_index_of_the_maximum(n, vocab):
+@pytest.mark.parametrize("n, vocab, programs", [(1, 5, 512), (1, 70_000, 512), (3, 9000, 512), (15, 20_000, 64),
+                                                (40, 2100, 64)])
+def test_argmax_is_torchs_first_index_of_the_maximum(n, vocab, programs, monkeypatch):
     """The split argmax gives torch's argmax: ties (integer values, a row all equal, the
     maximum repeated across splits) go to the first index, -inf entries and a row of only
     -inf included, on row-strided input, with one split per row or many (fewer than the
-    vocabulary's most, which set the padding)."""
+    vocabulary's most, which set the padding). (15 and 40 rows over 64 programs split as
+    120 and 300 rows do over 512.)"""
+    spread_over(monkeypatch, programs)
     torch.manual_seed(0)
     x = (torch.randn(n, vocab + 3) * 2).round()[:, :vocab]
     x[0] = x[0].max()  # every index ties
