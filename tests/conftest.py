@@ -26,10 +26,11 @@ _resident_after_collect = 0
 
 @pytest.fixture(autouse=True)
 def collect_dropped_engines():
-    """Engines the tests drop are freed before they pile up: an engine's KV cache alone is a
-    gigabyte on the CPU, and its reference cycles wait for the collector, which a few
-    tests' objects seldom trigger, so the suite would outgrow a 24 GB machine. A collection
-    takes a fifth of a second, so it runs once the process has grown 2 GB since the last."""
+    """Engines the tests drop are freed before they pile up: an engine's KV cache is a
+    gigabyte on the CPU (resident as far as its pages were touched), and its reference
+    cycles wait for the collector, which a few tests' objects seldom trigger, so the suite
+    could outgrow a 24 GB machine. A collection takes a fifth of a second, so it runs once
+    the process has grown 2 GB since the last."""
     global _resident_after_collect
     yield
     resident = _resident_bytes()
