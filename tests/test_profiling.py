@@ -5,6 +5,7 @@ start-up are counted."""
 
 import logging
 
+import numpy as np
 import pytest
 
 from checkpoints import make_eagle3_checkpoint
@@ -12,6 +13,7 @@ from tidal import LLM, SamplingParams, profiling
 from tidal.compiles import CompileWatch
 from tidal.config import SpecConfig
 from tidal.profiling import largest_step_pages, measure_costs, plan_pages, run_largest_steps
+from tidal.speculative.cost_model import fill_by_tokens
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13], list(range(20, 60))]
@@ -91,6 +93,24 @@ def test_the_profile_prices_drafting_at_every_batch_size_before_wider_steps(monk
     first_wide = next(i for i, (_, _, w) in enumerate(timings) if w > 2)
     assert first_wide == 2 + 3 * len(every)  # (after the context cost's two: widths 1 and 2, the drafter's pass)
     assert len(timings) < 2 + 9 * 6 + 9 * 2  # the budget cut the rest
+
+
+def test_a_wide_step_the_budget_cut_is_priced_by_narrower_steps_of_more_rows():
+    """At 128 rows a memory-bound step of width 4 costs little more than one of width 3;
+    scaled by tokens from it, as if compute-bound, it would be priced a third over, too dear
+    to be tried and so corrected. 256 rows of width 2 hold as many tokens in more rows: that
+    bound is the guess. The drafter's passes run one after another: more rows bound nothing."""
+    nan = np.nan
+    rows, widths = [64, 128, 256], [1, 2, 3, 4, 5]
+    grid = np.array([[23.3, 24.5, 25.4, 25.8, 27.6],
+                     [24.6, 26.1, 28.3, nan, nan],
+                     [26.4, 30.2, nan, nan, nan]])
+    filled = fill_by_tokens(grid, rows, widths, rows_add=True)
+    assert filled[1, 3] == 30.2                                   # 256 x 2: as many tokens
+    assert filled[1, 4] == pytest.approx(30.2 * 640 / 512)        # fewer tokens, scaled up
+    assert filled[2, 2] == pytest.approx(30.2 * 3 / 2)            # no more rows: its own row
+    assert np.isnan(grid[1, 3])                                   # (the measurements stay as they were)
+    assert fill_by_tokens(grid, rows, widths)[1, 3] == pytest.approx(28.3 * 4 / 3)
 
 
 def test_kernels_built_while_serving_are_counted_and_logged(monkeypatch, caplog):

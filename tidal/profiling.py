@@ -209,11 +209,25 @@ def cost_key(runner, proposer) -> dict:
             "grid": grid_axes(config.max_num_seqs, runner.max_draft_len)}
 
 
+def profile_order(batch_sizes: list[int], widths: list[int], draft_ks: list[int]) -> list[tuple[int, int, int]]:
+    """The shapes a profile measures, in its order, as (0, batch, width) indices of the
+    target's grid and (1, batch, k) of the drafter's. The narrowest drafting step at every
+    batch size first (width 2, and the drafter's one pass beside width 1): it prices whether
+    to draft at all at each load, and a shape left to `fill_by_tokens` gets an upper bound,
+    at width 2 twice a plain step's price, where a memory-bound step costs little more than
+    a plain one; a price too dear is seldom tried, so seldom corrected. Then the rest, fewest
+    tokens first (the narrow steps of the most rows bound the wide ones of fewer that the
+    budget may cut)."""
+    jobs = sorted([(w > 2, b * w, 0, i, j) for i, b in enumerate(batch_sizes) for j, w in enumerate(widths)]
+                  + [(k > 1, b * k, 1, i, j) for i, b in enumerate(batch_sizes) for j, k in enumerate(draft_ks)])
+    return [job[2:] for job in jobs]
+
+
 def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_model_len: int,
                   seconds: float) -> CostModel:
     """Time real steps (runner.launch, proposer.propose) on dummy requests, smallest shapes
-    first, until `seconds` are spent; shapes left over are extrapolated in proportion to
-    their tokens (the compute-bound guess, right for shapes that are slow to run).
+    first (`profile_order`), until `seconds` are spent; a shape left over gets the least
+    upper bound the measured ones put on it (`fill_by_tokens`).
 
     Runs before the engine serves anything: the page pool is empty, so the dummy requests
     may use any page, and what they write is overwritten before it is ever read."""
@@ -261,15 +275,8 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
     grid = np.full((len(batch_sizes), len(widths)), np.nan)
     draft_ks = sorted({1, max_draft_len})
     drafts = np.full((len(batch_sizes), len(draft_ks)), np.nan)
-    # The narrowest drafting step at every batch size first (width 2, and the drafter's one
-    # pass beside width 1): it prices whether to draft at all at each load, and a shape left
-    # to `fill_by_tokens` is guessed compute-bound, twice a plain step's price at width 2,
-    # where a memory-bound step costs little more than a plain one; a price too dear is
-    # seldom tried, so seldom corrected. Then the rest, fewest tokens first.
-    jobs = sorted([(w > 2, b * w, 0, i, j) for i, b in enumerate(batch_sizes) for j, w in enumerate(widths)]
-                  + [(k > 1, b * k, 1, i, j) for i, b in enumerate(batch_sizes) for j, k in enumerate(draft_ks)])
     deadline = start + seconds
-    for _, _, kind, i, j in jobs:
+    for kind, i, j in profile_order(batch_sizes, widths, draft_ks):
         if time.perf_counter() > deadline and (i, j) != (0, 0):  # the smallest shapes always run
             continue
         if kind == 0:
@@ -277,7 +284,7 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
         else:
             drafts[i, j] = run_proposer(batch_sizes[i], draft_ks[j])
     measured = int(np.isfinite(grid).sum() + np.isfinite(drafts).sum())
-    grid = monotone(fill_by_tokens(grid, batch_sizes, widths))
+    grid = monotone(fill_by_tokens(grid, batch_sizes, widths, rows_add=True))
     drafts = monotone(fill_by_tokens(drafts, batch_sizes, draft_ks))
     # The drafter's price: a fixed part and one per pass (a tree's passes follow its depth).
     passes = [runner.config.speculative_config.draft_depth(k) for k in range(max_draft_len + 1)]
@@ -289,4 +296,4 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
                      context_ref=ctx, context_cost=context_cost, draft_fixed=fixed, draft_step=step,
                      draft_passes=passes, catch_up_fixed=catch_up_fixed, catch_up_token=catch_up_token,
                      source=f"profile: {measured} of {grid.size + drafts.size} shapes measured in "
-                            f"{time.perf_counter() - start:.2f} s (the rest guessed by their tokens)")
+                            f"{time.perf_counter() - start:.2f} s (the rest bounded by those)")

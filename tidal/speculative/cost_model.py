@@ -302,16 +302,22 @@ def grid_axes(max_batch: int, max_draft_len: int) -> tuple[list[int], list[int]]
     return batch_sizes, widths
 
 
-def fill_by_tokens(table: np.ndarray, rows: list[int], cols: list[int]) -> np.ndarray:
-    """Give each unmeasured cell the largest measured cell it contains, scaled by tokens."""
-    for i in range(len(rows)):
-        for j in range(len(cols)):
-            if np.isfinite(table[i, j]):
-                continue
-            inside = [(rows[a] * cols[c], a, c) for a in range(i + 1) for c in range(j + 1) if np.isfinite(table[a, c])]
-            tokens, a, c = max(inside)
-            table[i, j] = table[a, c] * rows[i] * cols[j] / tokens
-    return table
+def fill_by_tokens(table: np.ndarray, rows: list[int], cols: list[int], rows_add: bool = False) -> np.ndarray:
+    """Give each unmeasured cell the least of the upper bounds the measured cells put on it.
+    Any cell it contains, scaled up by tokens: a step costs at most in proportion to its
+    tokens (its weights are read once however many there are). With `rows_add` (the target's
+    forward, which pays for its tokens, each row adding only its context's reads), also any
+    cell of as many rows or more, scaled up by tokens where it has fewer: a wide step at a
+    large batch that the profile's budget cut is priced by the narrower steps of more rows
+    measured before it, not by its own narrower steps scaled as if compute-bound."""
+    measured = np.isfinite(table)
+    filled = table.copy()
+    for i, j in zip(*np.nonzero(~measured)):
+        tokens = rows[i] * cols[j]
+        filled[i, j] = min(table[a, c] * max(1.0, tokens / (rows[a] * cols[c]))
+                           for a, c in zip(*np.nonzero(measured))
+                           if (a <= i and c <= j) or (rows_add and a >= i))
+    return filled
 
 
 def monotone(table: np.ndarray) -> np.ndarray:
