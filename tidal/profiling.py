@@ -192,7 +192,8 @@ def cached_costs(key: dict, measure: Callable[[], CostModel]) -> CostModel:
 
 def cost_key(runner, proposer) -> dict:
     """What a cost profile depends on: the device, the software, the models' shapes, the
-    engine's shapes, the shapes it measures (a grid of other widths is measured again)."""
+    engine's shapes, the shapes it measures and how it guesses those it does not reach (a
+    profile of another grid, or one guessed by another rule, is measured again)."""
     config = runner.config
     device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else \
         f"cpu x{os.cpu_count()}"
@@ -206,7 +207,8 @@ def cost_key(runner, proposer) -> dict:
             "max_num_batched_tokens": config.max_num_batched_tokens, "k": runner.max_draft_len,
             "topk": config.speculative_config.topk, "depth": config.speculative_config.num_speculative_tokens,
             "seconds": config.speculative_config.profile_seconds,
-            "grid": grid_axes(config.max_num_seqs, runner.max_draft_len)}
+            "grid": grid_axes(config.max_num_seqs, runner.max_draft_len),
+            "unreached": "least upper bound; for the target, also by shapes of more rows"}
 
 
 def profile_order(batch_sizes: list[int], widths: list[int], draft_ks: list[int]) -> list[tuple[int, int, int]]:
