@@ -2,20 +2,22 @@
 tree's `fill_by_tokens`, beside what served decode steps took, to see how those guesses price
 the steps a loaded server runs.
 
-    python benchmarks/profile_refill.py costs-*.json --measured 56 [--log decisions.jsonl.gz]
+    python benchmarks/profile_refill.py costs-*.json [--log decisions.jsonl.gz]
         [--min-rows 64] [--policies fixed:4 fixed:2 goodput]
 
-A profile keeps its grid filled, not which shapes it measured; the server's log says how many
+A profile keeps its grid filled, not which shapes it measured; its `source` says how many
 ("profile: 56 of 63 shapes measured"), and they are the first of `profile_order`'s. Served
-steps are decode steps without a drafter's catch-up, by policy, longest K and rows (in
-sixteens): the median seconds taken, which hold the drafting and the attention over the
-requests' contexts that the grid (width K + 1, context of one page) leaves out.
+steps are decode steps without a drafter's catch-up, by policy, longest K and rows (sixteen
+at a time from --min-rows): the median seconds taken, which hold the drafting and the
+attention over the requests' contexts that the grid (width K + 1, context of one page)
+leaves out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 from collections import defaultdict
 
@@ -26,13 +28,15 @@ from tidal.profiling import profile_order
 from tidal.speculative.cost_model import fill_by_tokens, monotone
 
 
-def refill(model: dict, measured: int, max_draft_len: int) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
+def refill(model: dict) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
     """Batch sizes, widths, which grid cells were guessed, and the grid with those guessed again."""
+    found = re.match(r"profile: (\d+) of", model["source"])
+    if found is None:
+        raise ValueError(f"source {model['source']!r} does not say how many shapes the profile measured")
     rows, widths = [int(b) for b in model["batch_sizes"]], [int(w) for w in model["widths"]]
     grid = np.array(model["grid"], dtype=float)
-    order = profile_order(rows, widths, sorted({1, max_draft_len}))
     guessed = np.zeros(grid.shape, dtype=bool)
-    for kind, i, j in order[measured:]:
+    for kind, i, j in profile_order(rows, widths, sorted({1, widths[-1] - 1}))[int(found[1]):]:
         if kind == 0:
             guessed[i, j] = True
     cut = np.where(guessed, np.nan, grid)
@@ -40,26 +44,26 @@ def refill(model: dict, measured: int, max_draft_len: int) -> tuple[list[int], l
 
 
 def served(lines: list[dict], policies: list[str], min_rows: int) -> dict:
-    """Median seconds of decode steps without a catch-up, by (policy, longest K, rows // 16 * 16)."""
+    """Median seconds of decode steps without a catch-up, by (policy, longest K, first of
+    the sixteen rows counts from min_rows that hold the step's)."""
     seen = defaultdict(list)
     for line in lines:
         if line["policy"] in policies and line["rows"] >= min_rows and not is_prompt(line) \
                 and not line.get("catch_up_s"):
-            seen[line["policy"], max(line["drafted"], default=0), line["rows"] // 16 * 16].append(line["observed_s"])
+            bin_ = min_rows + (line["rows"] - min_rows) // 16 * 16
+            seen[line["policy"], max(line["drafted"], default=0), bin_].append(line["observed_s"])
     return {key: (len(v), statistics.median(v)) for key, v in sorted(seen.items())}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("costs")
-    p.add_argument("--measured", type=int, required=True, help="shapes the profile measured (its log says)")
-    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--log", help="a step log (speculative_config.decision_log) of the same model")
     p.add_argument("--policies", nargs="+", default=["fixed:4", "fixed:2", "goodput"])
     p.add_argument("--min-rows", type=int, default=64)
     args = p.parse_args()
     model = json.load(open(args.costs))["model"]
-    rows, widths, guessed, grid = refill(model, args.measured, args.k)
+    rows, widths, guessed, grid = refill(model)
     stored = np.array(model["grid"], dtype=float)
     print(f"{int(guessed.sum())} target shapes guessed; ms stored -> guessed again by this tree")
     print("rows  " + "".join(f"{'width ' + str(w):>18}" for w in widths))

@@ -210,15 +210,15 @@ def test_price_replay_learns_a_prompt_steps_price():
 
 def test_profile_refill_guesses_the_shapes_a_budget_cut_again():
     """A stored profile (its grid filled) whose budget measured the first 12 of its 15
-    shapes: the tool finds the two target shapes that were guessed and guesses them again,
+    shapes, as its source says: the tool finds the two target shapes that were guessed and guesses them again,
     2 rows of width 3 by 4 rows of width 2 (more rows, more tokens); and it takes the median
     of served decode steps without a catch-up."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from profile_refill import refill, served
 
-    model = {"batch_sizes": [1, 2, 4], "widths": [1, 2, 3],
+    model = {"batch_sizes": [1, 2, 4], "widths": [1, 2, 3], "source": "profile: 12 of 15 shapes measured in 3 s",
              "grid": [[1.0, 2.0, 3.0], [2.0, 3.5, 9.9], [4.0, 4.2, 9.9]]}
-    rows, widths, guessed, grid = refill(model, measured=12, max_draft_len=2)
+    rows, widths, guessed, grid = refill(model)
     assert guessed.tolist() == [[False] * 3, [False, False, True], [False, False, True]]
     assert grid[1, 2] == 4.2 and grid[2, 2] == pytest.approx(4.2 * 3 / 2)
 
@@ -229,3 +229,5 @@ def test_profile_refill_guesses_the_shapes_a_budget_cut_again():
     lines = [line(100, 4, 0.030), line(101, 4, 0.040), line(100, 4, 0.050, new_tokens=600),
              line(100, 4, 0.060, catch_up_s=0.001), line(40, 4, 0.020)]
     assert served(lines, ["fixed:4"], min_rows=64) == {("fixed:4", 4, 96): (2, pytest.approx(0.035))}
+    assert served(lines, ["fixed:4"], min_rows=8) == {("fixed:4", 4, 40): (1, pytest.approx(0.020)),
+                                                     ("fixed:4", 4, 88): (2, pytest.approx(0.035))}
