@@ -167,6 +167,10 @@ def test_step_kinds_tool(tmp_path):
     assert [r["kind"] for r in summarize(lines, split="k")] == ["decode K=1", "decode K=2", "prompt K=2"]
     assert [r["kind"] for r in summarize(lines, split="around")] == ["after a prompt step", "before a prompt step",
                                                                      "prompt"]
+    lines[0]["catch_up_s"], lines[1]["catch_up_s"] = 0.0031, 0.0006  # a slow catch-up and a quick one
+    assert [(r["kind"], r["steps"]) for r in summarize(lines, split="catch-up")] == [
+        ("decode, catch-up > 1.5 ms", 1), ("decode, catch-up none", 1), ("prompt, catch-up <= 1.5 ms", 1)]
+    assert summarize(lines, split="catch-up", catch_up_ms=5)[0]["kind"] == "decode, catch-up <= 5 ms"
     (cell,) = summarize(lines, steps={"fixed:2": (2, 2)})  # one cell's steps of the policy
     assert (cell["kind"], cell["steps"]) == ("prompt", 1)
     assert summarize(lines, steps={"goodput": (1, 3)}) == []
