@@ -1,9 +1,11 @@
 """Where an engine step's time goes, mode against mode on the same load, in-process on one GPU
-(Llama-3.1-8B shape, random weights, an EAGLE-3-shaped head, SIMULATED acceptance).
+(Llama-3.1-8B shape, or with `--shape moe` Qwen3-30B-A3B's; random weights, an EAGLE-3-shaped
+head, SIMULATED acceptance).
 
     PYTHONPATH=.:benchmarks python benchmarks/step_phases.py [--workload W5] [--modes fixed:4,goodput]
-        [--concurrency 8,32] [--requests-per-client 3] [--min-requests 12]
-    PYTHONPATH=.:benchmarks python benchmarks/step_phases.py --smoke   # tiny shapes on the CPU
+        [--concurrency 8,32] [--requests-per-client 3] [--min-requests 12] [--shape 8b|moe]
+        [--max-model-len 4096]
+    PYTHONPATH=.:benchmarks python benchmarks/step_phases.py --smoke [--shape moe]  # tiny shapes on the CPU
 
 For every step `EngineCore.step` runs: the host's time in each of its parts (learning from
 the last step, planning with the policy's choice inside it, drafting, queueing the forward,
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import LLAMA_8B, SMOKE, write_eagle_dir, write_model_dir
+from common import SHAPES, write_eagle_dir, write_model_dir
 from tidal import LLM
 from tidal.bench.datasets import random_requests
 from tidal.bench.matrix import WORKLOADS
@@ -221,6 +223,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--requests-per-client", type=float, default=3)
     p.add_argument("--min-requests", type=int, default=12)
+    p.add_argument("--shape", default="8b", choices=("8b", "moe"))
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (tries the script)")
     args = p.parse_args()
     if args.smoke:
@@ -229,14 +233,15 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp())
-    shape = SMOKE if args.smoke else LLAMA_8B
+    shape = SHAPES[{"8b": "smoke", "moe": "smoke-moe"}[args.shape] if args.smoke else args.shape]
     model, head = write_model_dir(root, shape), write_eagle_dir(root, shape)
     w = WORKLOADS[args.workload]
     if args.smoke:
         w = type(w)(w.name, 16, 16, w.temperature, w.acceptance)
     base = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4, "simulate_acceptance": w.acceptance}
     cuda = torch.cuda.is_available() and not args.smoke
-    engine_args = {"load_format": "dummy", "device": "cuda" if cuda else "cpu", "async_scheduling": True}
+    engine_args = {"load_format": "dummy", "device": "cuda" if cuda else "cpu", "async_scheduling": True,
+                   "max_model_len": args.max_model_len}
     loads = [int(c) for c in args.concurrency.split(",")]
     report = {"workload": vars(w), "args": vars(args), "results": []}
     for mode in args.modes.split(","):

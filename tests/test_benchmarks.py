@@ -12,9 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_smoke(script: str, out: Path) -> str:
+def run_smoke(script: str, out: Path, *args: str) -> str:
     path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks", ROOT / "tests"))
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args], capture_output=True,
                           text=True, timeout=900, env={**os.environ, "OUT": str(out), "PYTHONPATH": path})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -65,9 +65,11 @@ def test_step_anatomy_smoke(tmp_path):
     assert results["mixed"]["mixed eager"]["host_ms"] > 0
 
 
-def test_step_phases_smoke(tmp_path):
-    """Every step's parts are timed, per mode and load, and goodput's decisions logged."""
-    run_smoke("step_phases.py", tmp_path)
+@pytest.mark.parametrize("shape", ["8b", "moe"])
+def test_step_phases_smoke(tmp_path, shape):
+    """Every step's parts are timed, per mode and load, and goodput's decisions logged, on a
+    dense target and on a Mixture-of-Experts one."""
+    run_smoke("step_phases.py", tmp_path, "--shape", shape)
     rows = json.loads((tmp_path / "step_phases.json").read_text())["results"]
     assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for m in ("fixed:4", "goodput") for c in (2, 4)]
     for r in rows:
