@@ -24,7 +24,7 @@ from collections import defaultdict
 import numpy as np
 
 from step_kinds import is_prompt, read
-from tidal.profiling import profile_order
+from tidal.profiling import drafter_ks, profile_order
 from tidal.speculative.cost_model import fill_by_tokens, monotone
 
 
@@ -36,7 +36,7 @@ def refill(model: dict) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
     rows, widths = [int(b) for b in model["batch_sizes"]], [int(w) for w in model["widths"]]
     grid = np.array(model["grid"], dtype=float)
     guessed = np.zeros(grid.shape, dtype=bool)
-    for kind, i, j in profile_order(rows, widths, sorted({1, widths[-1] - 1}))[int(found[1]):]:
+    for kind, i, j in profile_order(rows, widths, drafter_ks(widths[-1] - 1))[int(found[1]):]:
         if kind == 0:
             guessed[i, j] = True
     cut = np.where(guessed, np.nan, grid)

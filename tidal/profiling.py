@@ -211,6 +211,12 @@ def cost_key(runner, proposer) -> dict:
             "unreached": "least upper bound; for the target, also by shapes of more rows"}
 
 
+def drafter_ks(max_draft_len: int) -> list[int]:
+    """The drafts the profile times the drafter proposing: one, and the most (its price is a
+    fixed part and one per pass, fitted between them)."""
+    return sorted({1, max_draft_len})
+
+
 def profile_order(batch_sizes: list[int], widths: list[int], draft_ks: list[int]) -> list[tuple[int, int, int]]:
     """The shapes a profile measures, in its order, as (0, batch, width) indices of the
     target's grid and (1, batch, k) of the drafter's. The narrowest drafting step at every
@@ -275,7 +281,7 @@ def measure_costs(runner, proposer, max_batch: int, max_draft_len: int, max_mode
         catch_up_token = max(0.0, (many - past) / (b_ctx * (long_backlog - usual_backlog - 1)))
         catch_up_fixed = max(0.0, past - usual - catch_up_token * b_ctx)
     grid = np.full((len(batch_sizes), len(widths)), np.nan)
-    draft_ks = sorted({1, max_draft_len})
+    draft_ks = drafter_ks(max_draft_len)
     drafts = np.full((len(batch_sizes), len(draft_ks)), np.nan)
     deadline = start + seconds
     for kind, i, j in profile_order(batch_sizes, widths, draft_ks):
