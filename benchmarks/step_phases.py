@@ -4,7 +4,7 @@ head, SIMULATED acceptance).
 
     PYTHONPATH=.:benchmarks python benchmarks/step_phases.py [--workload W5] [--modes fixed:4,goodput]
         [--concurrency 8,32] [--requests-per-client 3] [--min-requests 12] [--shape 8b|moe]
-        [--max-model-len 4096]
+        [--max-model-len 4096] [--piecewise-max-tokens 1024]
     PYTHONPATH=.:benchmarks python benchmarks/step_phases.py --smoke [--shape moe]  # tiny shapes on the CPU
 
 For every step `EngineCore.step` runs: the host's time in each of its parts (learning from
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from common import SHAPES, write_eagle_dir, write_model_dir
-from tidal import LLM
+from tidal import LLM, graphs
 from tidal.bench.datasets import random_requests
 from tidal.bench.matrix import WORKLOADS
 from tidal.bench.offline import run_load_offline
@@ -134,13 +134,27 @@ class Trace:
         engine_step = core.step
 
         def traced_step():
-            t = time.perf_counter()
+            t, allocs = time.perf_counter(), self._allocator()
             self.launched = None
             out = engine_step()
-            self.steps.append({"wall": time.perf_counter() - t, **self.current, "launched": self.launched})
+            wall = time.perf_counter() - t
+            grew = [a < b for a, b in zip(allocs, self._allocator())]  # (cudaMalloc, retry after freeing the cache)
+            for name, flag in zip(("malloc_steps", "alloc_retry_steps"), grew):
+                self.counts[name] += flag
+            if self.launched is not None:
+                self.launched["malloc"] = any(grew)
+            self.steps.append({"wall": wall, **self.current, "launched": self.launched})
             self.current = defaultdict(float)
             return out
         self.patch(core, "step", traced_step)
+
+    def _allocator(self) -> tuple[int, int]:
+        """The caching allocator's cudaMalloc calls and its retries (a retry frees every cached
+        block and synchronizes the device): a step that grew either paid for memory mid-flight."""
+        if not self.cuda:
+            return (0, 0)
+        stats = torch.cuda.memory_stats()
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
 
     def _event(self):
         if not self.cuda:
@@ -150,9 +164,11 @@ class Trace:
         return event
 
     def _shape(self, plan) -> dict:
-        ks = plan.draft_lens
-        return {"rows": len(ks), "decode_only": all(n == 1 for n in plan.num_new_tokens), "max_k": max(ks),
-                "mean_k": sum(ks) / len(ks), "mixed": len(set(ks)) > 1}
+        ks, pieces = plan.draft_lens, self.core.runner.pieces
+        decode_only = all(n == 1 for n in plan.num_new_tokens)
+        tokens = sum(plan.num_new_tokens) + sum(ks)
+        return {"rows": len(ks), "decode_only": decode_only, "max_k": max(ks), "mean_k": sum(ks) / len(ks),
+                "mixed": len(set(ks)) > 1, "eager": not decode_only and pieces is not None and pieces.bucket(tokens) is None}
 
     def device_spans(self) -> list[dict]:
         """Per launch: its shape, the device's span over its kernels and the idle gap before it (ms)."""
@@ -171,10 +187,12 @@ class Trace:
 def step_kind(shape: dict) -> str:
     """A launch's kind for the per-kind table: prompt chunks in it or not, its longest K,
     `absorb` where the drafter first absorbed what a row missed (`ChainDrafter._absorb`: a
-    prompt, a K = 0 spell), and `sync` where it was launched with no step in flight (the
-    device waited for the host)."""
-    return (f"{'decode' if shape['decode_only'] else 'prompt'} K={shape['max_k']}"
-            f"{' absorb' if shape.get('absorbs') else ''}{'' if shape['behind'] else ' sync'}")
+    prompt, a K = 0 spell), `sync` where it was launched with no step in flight (the
+    device waited for the host), `malloc` where the step that launched it called cudaMalloc,
+    and `eager` for a prompt step too long for the piecewise graphs."""
+    return (f"{'decode' if shape['decode_only'] else 'prompt'} K={shape['max_k']}{' eager' if shape.get('eager') else ''}"
+            f"{' absorb' if shape.get('absorbs') else ''}{'' if shape['behind'] else ' sync'}"
+            f"{' malloc' if shape.get('malloc') else ''}")
 
 
 def summarize(trace: Trace, batch: int) -> dict:
@@ -225,8 +243,13 @@ def main() -> None:
     p.add_argument("--min-requests", type=int, default=12)
     p.add_argument("--shape", default="8b", choices=("8b", "moe"))
     p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument("--piecewise-max-tokens", type=int, default=None,
+                   help="the longest step the piecewise graphs serve (default: PIECEWISE_MAX_TOKENS); with "
+                        "1024, longer prompt steps run eagerly, to compare")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (tries the script)")
     args = p.parse_args()
+    if args.piecewise_max_tokens:
+        graphs.PIECEWISE_MAX_TOKENS = args.piecewise_max_tokens
     if args.smoke:
         args.concurrency, args.requests_per_client, args.min_requests = "2,4", 1, 4
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -293,3 +293,17 @@ def test_generate_freezes_the_start_up_heap_and_thaws_it(checkpoint):
     llm.engine.step = lambda: frozen.append(gc.get_freeze_count()) or step()
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
     assert min(frozen) > 1000 and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("budget", [8, 100, 1024, 1100, 2048, 3000, 8192])
+def test_piecewise_buckets_cover_the_budget_with_bounded_padding(budget):
+    """Prompt steps replay graphs up to the budget (or PIECEWISE_MAX_TOKENS): the buckets rise
+    to it, and past 1,024 tokens a step is padded by at most a quarter of its tokens."""
+    from tidal.graphs import PIECEWISE_BUCKETS, PIECEWISE_MAX_TOKENS, piecewise_buckets
+
+    buckets = piecewise_buckets(budget)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == min(budget, PIECEWISE_MAX_TOKENS)
+    assert [t for t in buckets[:-1] if t <= 1024] == [t for t in PIECEWISE_BUCKETS if t < min(budget, 1025)]
+    for smaller, larger in zip(buckets, buckets[1:]):
+        if smaller >= 1024:
+            assert larger - (smaller + 1) < (smaller + 1) / 4  # the worst padding: one past `smaller`

@@ -157,10 +157,25 @@ class CudaGraphs:
         return self.replay(key, sum(len(f) for f in feeds), len(feeds))
 
 
-# Token counts of the piecewise graphs. Steps with more tokens than the largest run eagerly:
-# there the GPU's work outlasts the host's launches (docs/design.md, "Graphs for steps with
-# prompt tokens").
+# Token counts of the piecewise graphs up to 1,024; `piecewise_buckets` adds four a doubling
+# above, up to the step budget but not past PIECEWISE_MAX_TOKENS. Steps with more tokens run
+# eagerly: there the GPU's work outlasts the host's launches, which do not grow with the
+# tokens (docs/design.md, "Graphs for steps with prompt tokens").
 PIECEWISE_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+PIECEWISE_MAX_TOKENS = 4096
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    """The token buckets of a step budget of `max_tokens`: PIECEWISE_BUCKETS, then steps of a
+    quarter of the power of two below (1,280, 1,536, ... 2,560, 3,072, ...), so that padding
+    costs a long step at most a quarter of its work; the last is the budget itself, or
+    PIECEWISE_MAX_TOKENS."""
+    top = min(max_tokens, PIECEWISE_MAX_TOKENS)
+    sizes, t = list(PIECEWISE_BUCKETS), PIECEWISE_BUCKETS[-1]
+    while t < top:
+        t += 2 ** (t.bit_length() - 1) // 4
+        sizes.append(t)
+    return [t for t in sizes if t < top] + [top]
 
 
 class PiecewiseGraphs:
@@ -176,7 +191,7 @@ class PiecewiseGraphs:
         self.model, self.attn, self.kv_caches = model, attn, kv_caches
         self.page_size = page_size
         self.device = device
-        self.buckets = sorted({t for t in PIECEWISE_BUCKETS if t < max_tokens} | {min(max_tokens, PIECEWISE_BUCKETS[-1])})
+        self.buckets = piecewise_buckets(max_tokens)
         self.input_ids = torch.zeros(self.buckets[-1], dtype=torch.int64, device=device)
         self.attn_out: torch.Tensor | None = None  # [max bucket, heads, head_dim], allocated at the first cut
         # bucket -> (graphs, the attention calls between them, the last graph's outputs)

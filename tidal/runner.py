@@ -228,7 +228,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self) -> None:
         """Build the Triton kernels steps run outside graphs now rather than in a user's step
-        (graphs cover decodes, verification and steps of up to `PIECEWISE_BUCKETS[-1]`
+        (graphs cover decodes, verification and steps of up to `PIECEWISE_MAX_TOKENS`
         tokens; longer steps run eagerly, and so does everything with `enforce_eager`): the
         eager forwards, sampling and verification (`fused.build_sampling_variants`), and
         moving a batch's rows on the device. `tidal.compiles` logs any variant still missed."""
