@@ -166,10 +166,10 @@ PIECEWISE_MAX_TOKENS = 4096
 
 
 def piecewise_buckets(max_tokens: int) -> list[int]:
-    """The token buckets of a step budget of `max_tokens`: PIECEWISE_BUCKETS, then steps of a
-    quarter of the power of two below (1,280, 1,536, ... 2,560, 3,072, ...), so that padding
-    costs a long step at most a quarter of its work; the last is the budget itself, or
-    PIECEWISE_MAX_TOKENS."""
+    """The token buckets of a step budget of `max_tokens`: PIECEWISE_BUCKETS, then each a
+    quarter of a power of two past the one before (1,280, 1,536, ... 2,560, 3,072, ...), so
+    that padding costs a long step at most a quarter of its work; the last is the budget
+    itself, or PIECEWISE_MAX_TOKENS."""
     top = min(max_tokens, PIECEWISE_MAX_TOKENS)
     sizes, t = list(PIECEWISE_BUCKETS), PIECEWISE_BUCKETS[-1]
     while t < top:
