@@ -134,7 +134,8 @@ class Trace:
         engine_step = core.step
 
         def traced_step():
-            t, allocs = time.perf_counter(), self._allocator()
+            allocs = self._allocator()  # (read outside the step's wall time)
+            t = time.perf_counter()
             self.launched = None
             out = engine_step()
             wall = time.perf_counter() - t
@@ -164,11 +165,14 @@ class Trace:
         return event
 
     def _shape(self, plan) -> dict:
-        ks, pieces = plan.draft_lens, self.core.runner.pieces
+        ks, runner = plan.draft_lens, self.core.runner
         decode_only = all(n == 1 for n in plan.num_new_tokens)
-        tokens = sum(plan.num_new_tokens) + sum(ks)
+        # As `ModelRunner.forward_step` routes a step with prompt tokens: a tree's drafts, or
+        # more tokens than the piecewise graphs' largest bucket, run eagerly.
+        eager = runner.pieces is not None and not decode_only and (
+            runner.tree_drafts and max(ks) > 0 or runner.pieces.bucket(sum(plan.num_new_tokens) + sum(ks)) is None)
         return {"rows": len(ks), "decode_only": decode_only, "max_k": max(ks), "mean_k": sum(ks) / len(ks),
-                "mixed": len(set(ks)) > 1, "eager": not decode_only and pieces is not None and pieces.bucket(tokens) is None}
+                "mixed": len(set(ks)) > 1, "eager": bool(eager)}
 
     def device_spans(self) -> list[dict]:
         """Per launch: its shape, the device's span over its kernels and the idle gap before it (ms)."""
