@@ -88,23 +88,29 @@ def decode_rate(llm, prompts, new_tokens, params=None):
 def check_correctness(device, results):
     """Greedy tokens of the shipped demo target (float32) equal transformers', through the
     Triton kernels with and without graphs, the torch reference, and speculation (the demo
-    EAGLE-3 head, and the target drafting for itself as a draft model)."""
+    EAGLE-3 head, and the target drafting for itself as a draft model). Each batch of prompts
+    is one generate call: short ones, then long ones whose first step fills 1,170, 1,680 and
+    the whole 2,048 tokens of the budget (the piecewise graphs' buckets past 1,024)."""
     import transformers
 
     model_dir = str(DEMO_DIR / "target")
-    prompts = random_prompts(6, 0, 384, seed=1)
-    prompts = [p + [random.Random(i).randrange(3, 384) for _ in range(3 + 9 * i)] for i, p in enumerate(prompts)]
+    short = random_prompts(6, 0, 384, seed=1)
+    short = [p + [random.Random(i).randrange(3, 384) for _ in range(3 + 9 * i)] for i, p in enumerate(short)]
+    batches = [short] + [random_prompts(n, length, 384, seed=2 + n) for n, length in ((3, 390), (4, 420), (5, 430))]
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     hf.generation_config.eos_token_id = None
     want = [hf.generate(torch.tensor([p], device=device), max_new_tokens=32, min_new_tokens=32,
-                        do_sample=False)[0, len(p):].tolist() for p in prompts]
+                        do_sample=False)[0, len(p):].tolist() for b in batches for p in b]
     del hf
     free_memory()
+
+    def generate(llm):
+        return [o.outputs[0].token_ids for b in batches for o in llm.generate(b, greedy(32), use_tqdm=False)]
     variants = {"triton+graphs": {}, "triton eager": {"enforce_eager": True},
                 "torch reference": {"attention_backend": "torch", "enforce_eager": True}}
     for name, kw in variants.items():
         llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, **kw)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
+        got = generate(llm)
         stats = llm.engine.stats()
         results["correctness"][name] = {"equal_to_transformers": got == want,
                                         "pages_free": stats["num_free_pages"] == stats["num_pages"]}
@@ -116,7 +122,7 @@ def check_correctness(device, results):
         sc = {"method": method, "model": path, "num_speculative_tokens": 3, "policy": "fixed"}
         llm = LLM(model=model_dir, device=device, dtype="float32", page_size=16, num_pages=512,
                   speculative_config=sc)
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32), use_tqdm=False)]
+        got = generate(llm)
         stats = llm.engine.stats()
         results["correctness"][f"speculative {method}"] = {
             "equal_to_transformers": got == want, "pages_free": stats["num_free_pages"] == stats["num_pages"],

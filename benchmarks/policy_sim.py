@@ -2,12 +2,14 @@
 
     PYTHONPATH=. python benchmarks/policy_sim.py --acceptance '{"mean": 0.6, "std": 0.25}' --concurrency 1,8,32,128
     PYTHONPATH=. python benchmarks/policy_sim.py --acceptance '[0.9, 0.75, 0.6, 0.45]' --output-len 512
+    PYTHONPATH=. python benchmarks/policy_sim.py --cost-model h200_moe --burst --input-len 2048 --output-len 128
     PYTHONPATH=. python benchmarks/policy_sim.py --acceptance '{"mean": 0.7, "sibling": 0.3}' \
         --topk 4 --depth 5 --k 16 --modes none,fixed:4,fixed:8,fixed:16,goodput
 
 Each of c clients sends its next request as soon as the last one ends. A step's seconds
 come from a cost function that stands in for the device (`h200_8b`: a Llama-3.1-8B with an
-EAGLE-3 head on one H200, fitted by eye to the decision logs of runs 82, 95 and 96), and
+EAGLE-3 head on one H200, fitted by eye to the decision logs of runs 82, 95 and 96; or
+`--cost-model h200_moe`, a Qwen3-30B-A3B shape's, from its measured step cost curve), and
 drafts are accepted
 as `SimulatedAcceptance` says (per position, per request; with `--topk` > 1, per depth and
 sibling rank, over the tree the drafter grows with those odds, `grow_tree`). The policy is the engine's own
@@ -66,6 +68,31 @@ def h200_8b(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0, passes=
     passes = max_draft if passes is None else passes
     drafter = (0.25 + 0.005 * drafting) + (passes - 1) * (0.25 + 0.005 * drafting * topk) if drafts else 0.0
     return target + drafter + (4.0 if prompt_tokens else 0.0) + catch_up_ms(catch_up)
+
+
+# One step of the Qwen3-30B-A3B shape (random weights: near-uniform routing) on one H200 by the
+# tokens in it: up to 256 the target's step cost curve (M decode rows, CUDA graphs;
+# `2026-12-04-h200-moe/`, run 6), past it read off the in-process W2 steps at 128 clients of
+# `2026-12-07-h200/` run 1 (graphs to 2,048; the drafter's share taken out by eye).
+MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+MOE_MS = (4.25, 5.17, 5.72, 7.81, 11.98, 16.22, 18.83, 19.98, 22.54, 26.0, 36.0, 50.0)
+
+
+def h200_moe(b, drafts, max_draft, drafting, prompt_tokens=0, catch_up=0, passes=None, topk=1):
+    """Milliseconds of one step of the MoE: the target's forward as its tokens set it (each
+    token brings experts of its own until about 64 tokens read them all, then compute grows
+    with the tokens; past 2,048 in proportion), the drafter's passes (an EAGLE-3-shaped head
+    in graphs: batch 1 at K = 4 made 1.99x plain at acceptance 0.7, so its passes cost
+    little), 3 ms more for a step with prompt tokens (its attention runs eagerly between
+    the piecewise graphs), and the drafter's catch-up."""
+    tokens = b + drafts + prompt_tokens
+    target = float(np.interp(tokens, MOE_TOKENS, MOE_MS)) * max(1.0, tokens / MOE_TOKENS[-1])
+    passes = max_draft if passes is None else passes
+    drafter = passes * (0.12 + 0.002 * drafting * topk) if drafts else 0.0
+    return target + drafter + (3.0 if prompt_tokens else 0.0) + catch_up_ms(catch_up)
+
+
+COSTS = {"h200_8b": h200_8b, "h200_moe": h200_moe}
 
 
 def catch_up_ms(tokens: int) -> float:
@@ -273,6 +300,8 @@ def main():
     p.add_argument("--profile-pass-scale", type=float, default=1.0,
                    help="goodput's profile prices each drafter pass at this multiple of the truth "
                         "(online corrections must find the rest)")
+    p.add_argument("--cost-model", choices=sorted(COSTS), default="h200_8b",
+                   help="the device's step times: a Llama-3.1-8B or a Qwen3-30B-A3B shape, each on an H200")
     p.add_argument("--json")
     p.add_argument("--decision-log", help="append every policy's line per step here (as the engine's decision_log)")
     args = p.parse_args()
@@ -284,8 +313,9 @@ def main():
     args.spec = SpecConfig("draft_model", depth, model="(simulated)", topk=args.topk, num_draft_tokens=args.k,
                            simulate_acceptance=acceptance)
     args.rates_len = depth if args.topk > 1 else args.k
-    args.cost = lambda b, drafts, max_draft, *rest: h200_8b(b, drafts, max_draft, *rest,
-                                                            passes=args.spec.draft_depth(max_draft), topk=args.topk)
+    truth = COSTS[args.cost_model]
+    args.cost = lambda b, drafts, max_draft, *rest: truth(b, drafts, max_draft, *rest,
+                                                          passes=args.spec.draft_depth(max_draft), topk=args.topk)
     rows = []
     for c in [int(x) for x in args.concurrency.split(",")]:
         cell = {}

@@ -17,7 +17,7 @@ the ones compared. Also per kind of launch (prompt chunks in it or not, its long
 drafter absorbed a row's missed tokens first, and `sync` where no step was in flight to
 hide its host work): the host's time in the steps that
 launched it, its device span and gap. Prints both tables; writes $OUT/step_phases.json (and
-goodput's decision log, $OUT/decisions_WORKLOAD.jsonl).
+goodput's decision log, $OUT/decisions_WORKLOAD.jsonl; OUT defaults to ./out, which git ignores).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def main() -> None:
     if args.smoke:
         args.concurrency, args.requests_per_client, args.min_requests = "2,4", 1, 4
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    out = Path(os.environ.get("OUT", "."))
+    out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp())
     shape = SHAPES[{"8b": "smoke", "moe": "smoke-moe"}[args.shape] if args.smoke else args.shape]

@@ -121,12 +121,14 @@ def test_offline_interleaved_tool(tmp_path):
 
 def test_policy_sim_tool(tmp_path):
     """The simulated closed loop: where drafts are never accepted goodput keeps within 3% of
-    off, and where nearly all are, within 3% of the longest fixed K."""
+    off, and where nearly all are, within 3% of the longest fixed K; on the MoE's step
+    times too, whose drafts are dear at a few rows and cheap at many."""
     path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks"))
-    for acceptance, rival in (("0.0", "none"), ("0.9", "fixed:4")):
-        out = tmp_path / f"sim_{acceptance}.json"
+    for acceptance, rival, costs in (("0.0", "none", "h200_8b"), ("0.9", "fixed:4", "h200_8b"),
+                                     ("0.7", "fixed:4", "h200_moe")):
+        out = tmp_path / f"sim_{acceptance}_{costs}.json"
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_sim.py"), "--acceptance", acceptance,
-                               "--concurrency", "1,32", "--steps", "400", "--warmup", "100",
+                               "--concurrency", "1,32", "--steps", "400", "--warmup", "100", "--cost-model", costs,
                                "--modes", f"{rival},goodput", "--json", str(out)],
                               capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
         assert proc.returncode == 0, proc.stderr[-3000:]
