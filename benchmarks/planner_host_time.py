@@ -47,7 +47,7 @@ def build(args) -> Scheduler:
     pool = PagePool(args.rows * pages_for(longest, args.page_size) + 1, args.page_size)
     speculation = SimpleNamespace(max_draft_len=args.k, proposer=SimpleNamespace(drafts_ahead=True),
                                   config=SpecConfig("draft_model", max(args.k, 1), model="unused"),
-                                  make_policy=lambda demand, config: Fixed(args.k))
+                                  make_policy=lambda demand, queued, config: Fixed(args.k))
     s = Scheduler(pool, config, 1 << 30, speculation if args.k else None)
     if args.policy == "goodput":
         from tidal.speculative.cost_model import CostModel, grid_axes

@@ -200,6 +200,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
     told = isinstance(policy, Goodput) and isinstance(policy.acceptance, Told)
     if isinstance(policy, Goodput):
         policy.demand = lambda limit: min(sum(r.num_tokens - r.num_computed for r, _, _ in waiting), limit)
+        policy.queued = lambda: [r for r, _, _ in waiting]
     seconds = tokens = expected = got = 0.0
     for step in range(args.warmup + args.steps):
         reqs = [req for req, _, _ in decoding]
@@ -325,7 +326,8 @@ def main():
             elif mode.startswith("fixed:"):
                 policy = Fixed(int(mode.split(":")[1]))
             else:
-                policy = Goodput(price_list(args.cost, args.spec, max(256, c), args.profile_pass_scale), args.k)
+                policy = Goodput(price_list(args.cost, args.spec, max(256, c), args.profile_pass_scale), args.k,
+                                 token_budget=args.token_budget)
                 policy.acceptance.marginal = args.topk > 1
                 if mode == "oracle":
                     policy.acceptance = Told(args.k)

@@ -336,6 +336,22 @@ def test_waiting_prompts_make_drafts_cost_more():
     assert sum(crowded) < sum(free) == 16 * K
 
 
+def test_no_drafts_beside_prompts_a_loop_needs_the_whole_budget_for():
+    """Requests that will decode need 1 + P / O budget tokens a step (their successors'
+    prompts): 16 decoding and 100 queued with 2,000-token prompts for 100 output tokens need
+    2,116 of the 2,048, so drafting beside their prompts only slows the loop down; with 90
+    queued (1,906) drafts that pay still run."""
+    def queue(n):
+        return [Request(f"q{i}", None, [7] * 2000, SamplingParams(max_tokens=100), 0, ()) for i in range(n)]
+
+    def choose(num_queued):
+        policy = Goodput(nearly_free(), K, demand=lambda limit: limit, queued=lambda: queue(num_queued))
+        return policy.choose(make_requests(16), [K] * 16, num_queued)
+
+    assert sum(choose(100)) == 0
+    assert sum(choose(90)) > 0
+
+
 def test_kv_headroom_caps_drafts():
     ks = Goodput(nearly_free(), K).choose(make_requests(16), [K] * 16, 0, kv_room=4)
     assert 0 < sum(ks) <= 4

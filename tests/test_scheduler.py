@@ -24,7 +24,7 @@ def planner(num_pages=64, k=2, budget=64, max_num_seqs=8, drafts_ahead=True, asy
                           max_num_seqs=max_num_seqs, async_scheduling=async_scheduling)
     speculation = SimpleNamespace(max_draft_len=k, proposer=SimpleNamespace(drafts_ahead=drafts_ahead),
                                   config=spec or SpecConfig("draft_model", max(k, 1), model="unused"),
-                                  make_policy=lambda demand, config: Fixed(k))
+                                  make_policy=lambda demand, queued, config: Fixed(k))
     return Scheduler(PagePool(num_pages, PAGE, enable_prefix_caching=False), config, max_model_len,
                      speculation if k else None)
 
@@ -212,3 +212,20 @@ def test_prompts_the_kv_cache_cannot_take_want_no_budget():
     assert s.prefill_demand(10) == 10  # counted up to the limit (the prompt would be chunked)
     s.running[0].pages += s.pool.allocate(3)  # (as if its drafts took 3 of the 5)
     assert s.prefill_demand(1000) == 0
+
+
+def test_the_queue_counts_prompts_being_fed_and_those_a_seat_and_pages_hold():
+    """`queued` (the loop's load beyond the decoding rows, for the policy): a running request
+    still feeding its prompt, then waiting ones first come first served, up to the first
+    that the free pages or seats cannot hold."""
+    s = planner(num_pages=13, k=2, budget=8, max_num_seqs=3)  # 12 pages of 4 tokens
+    s.add(request("decoding", 3))
+    commit_all(s, s.schedule())  # 4 tokens, 1 page: it decodes from now on
+    for name in ("chunked", "fits", "no seat"):
+        s.add(request(name, 12))
+    plan = s.schedule()  # decoding's next token and 2 drafts, 5 of chunked's 12 prompt tokens
+    assert plan.requests[-1].request_id == "chunked" and plan.num_new_tokens[-1] == 5
+    commit_all(s, plan)
+    assert [r.request_id for r in s.queued()] == ["chunked", "fits"]
+    s.pool.allocate(s.pool.num_free - 2)  # 2 pages left: "fits" needs 3
+    assert [r.request_id for r in s.queued()] == ["chunked"]

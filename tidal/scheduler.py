@@ -40,7 +40,8 @@ class Scheduler:
         self.draft_slots = [speculation.config.draft_slots(k) if speculation else 0
                             for k in range(self.max_draft_len + 1)]
         self.drafts_ahead = speculation is None or speculation.proposer.drafts_ahead
-        self.policy: SpecPolicy = speculation.make_policy(self.prefill_demand, config) if speculation else Off()
+        self.policy: SpecPolicy = (speculation.make_policy(self.prefill_demand, self.queued, config)
+                                  if speculation else Off())
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.spec = SpecStats()       # server-wide acceptance statistics
@@ -293,6 +294,20 @@ class Scheduler:
                     return total
         waiting = self._whole_prompts(limit - total)
         return limit if waiting is None else total + waiting
+
+    def queued(self) -> list[Request]:
+        """Requests that will decode once their prompts are fed: running ones still feeding
+        them (a chunk in flight counted as fed), then waiting ones the free seats and pages
+        hold, first come first served. A prompt the pages cannot hold is not: it waits for
+        pages, not for the budget."""
+        queued = [r for r in self.running if r.num_computed + self.feeding.get(r, 0) < r.num_tokens - 1]
+        free = self.pool.num_free
+        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
+            free -= pages_for(req.num_tokens, self.pool.page_size)
+            if free < 0:
+                break
+            queued.append(req)
+        return queued
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

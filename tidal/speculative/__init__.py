@@ -45,9 +45,10 @@ class Speculation:
             self.proposer = Eagle3Proposer(spec.model, runner, target_config, spec.topk, spec.num_speculative_tokens)
         return self.proposer
 
-    def make_policy(self, demand, config: EngineConfig) -> SpecPolicy:
-        """The policy, seeing `demand(limit)`, the prompt tokens that want a step's budget."""
-        return make_policy(self.config, demand=demand, max_num_seqs=config.max_num_seqs,
+    def make_policy(self, demand, queued, config: EngineConfig) -> SpecPolicy:
+        """The policy, seeing `demand(limit)`, the prompt tokens that want a step's budget, and
+        `queued()`, the requests that will decode once their prompts are fed."""
+        return make_policy(self.config, demand=demand, queued=queued, max_num_seqs=config.max_num_seqs,
                            max_num_batched_tokens=config.max_num_batched_tokens, cost_model=self.cost_model)
 
     def describe(self) -> str:

@@ -149,6 +149,17 @@ class Goodput:
     token expected this step bears 1 / (tokens left) of its price (all of it while prompts
     wait: the batch is still growing).
 
+    Prompts share the token budget, and a loop of requests keeps bringing them: a request
+    of P prompt and O output tokens brings, on average, P / O prompt tokens a step for each
+    token it makes (its successor's prompt in a closed loop; as many by Little's law in an
+    open one). Every request that will decode (decoding now, or queued for a seat with pages
+    to hold it) so needs at least 1 + P / O budget tokens a step. Where that need passes
+    the budget while prompts wait, requests queue and are admitted only as fast as the
+    budget feeds their prompts; each makes its O tokens anyway, so a draft buys no tokens
+    and spends more budget per token than a plain decode: no request drafts. Below that
+    need, drafting beside waiting prompts is left to the prices (a burst of prompts binds
+    the budget too, but drains, and drafting beside it makes tokens sooner).
+
     Drafts' own time is priced `draft_premium` above the cost model's figure, and at least
     the model's recent error on a decode step: drafting costs more than its steps show and
     the estimates are noisy, so a near tie goes to K = 0, whose price is exact. `hysteresis`
@@ -164,6 +175,7 @@ class Goodput:
 
     def __init__(self, cost: CostModel, max_draft_len: int, *, token_budget: int = 2048,
                  draft_slots: list[int] | None = None, demand: Callable[[int], int] | None = None,
+                 queued: Callable[[], list[Request]] | None = None,
                  hysteresis: float = 0.03, draft_premium: float = 0.1,
                  probe_interval: int = 32, max_probes: int = 4, probe_overhead: float = 0.5,
                  explore_interval: int = 32, explore_margin: float = 0.15):
@@ -173,6 +185,7 @@ class Goodput:
         # KV slots a request drafting K keeps, per K (`SpecConfig.draft_slots`; None: K, a chain's).
         self.slots = np.arange(max_draft_len + 1) if draft_slots is None else np.asarray(draft_slots)
         self.demand = demand      # demand(limit): prompt tokens that want this step's budget, counted up to limit
+        self.queued = queued      # queued(): requests that will decode once their prompts are fed
         self.hysteresis = hysteresis
         self.draft_premium = draft_premium
         self.probe_interval = probe_interval
@@ -198,7 +211,9 @@ class Goodput:
         self.acceptance.age[rows] += 1
         room = max(self.token_budget - len(requests), 0)
         demand = min(self.demand(room), room) if self.demand else 0
-        cap = _Room(room, np.inf if kv_room is None else max(kv_room, 0), self.slots)
+        need = self._loop_need(requests) if demand else 0.0
+        cap = _Room(room if need <= self.token_budget else 0, np.inf if kv_room is None else max(kv_room, 0),
+                    self.slots)
         standing = self._standing_plain(requests, limits, demand, cap, num_waiting)
         if standing is not None:
             return standing
@@ -217,11 +232,21 @@ class Goodput:
         log = {"step": self.num_decisions, "batch": len(requests), "waiting": num_waiting, "k": ks.tolist(),
                "probes": probes, "held": pick.held, "explored": pick.explored, "tokens_per_s": pick.rate,
                "plain_tokens_per_s": pick.plain_rate, "best_drafting": pick.best_drafting, "catch_up": catch_up,
-               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap.drafts,
+               "catch_up_scale": float(self.cost.catch_up_scale[0]), "cap": cap.drafts, "loop_need": need,
                "kv_room": kv_room, "demand": demand}
         if not ks.any() and not demand:
             self.plain = (list(requests), list(limits), cap, self.num_decisions + min(wait, self.probe_interval), log)
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
+
+    def _loop_need(self, requests) -> float:
+        """Budget tokens a step the loop needs at K = 0 (class docstring): 1 + P / O for every
+        request decoding or queued to, P the prompt tokens it feeds (not those the prefix
+        cache served it, as far as known: a waiting request's hits show once it is admitted)
+        and O its max_tokens (a request that stops at EOS makes fewer: the need is counted
+        low, and goodput drafts as before)."""
+        queued = self.queued() if self.queued else []
+        return sum(1 + (r.num_prompt_tokens - r.num_cached_prompt_tokens) / max(r.params.max_tokens, 1)
+                   for r in (*requests, *queued))
 
     def _standing_plain(self, requests, limits, demand, cap, num_waiting) -> Choice | None:
         """The last K = 0 decision again while what it was made from stays (the same requests
@@ -545,7 +570,7 @@ def nodes_hit(paths: np.ndarray, num_nodes: int) -> np.ndarray:
     return hits[:, 1:]
 
 
-def make_policy(spec: SpecConfig, *, demand=None, max_num_seqs: int = 256,
+def make_policy(spec: SpecConfig, *, demand=None, queued=None, max_num_seqs: int = 256,
                 max_num_batched_tokens: int = 2048, cost_model: CostModel | None = None) -> SpecPolicy:
     """The policy `spec` names. Goodput prices steps with `cost_model` (measured at start-up,
     `tidal.profiling`), or learns the prices from the steps alone when none is given."""
@@ -559,7 +584,7 @@ def make_policy(spec: SpecConfig, *, demand=None, max_num_seqs: int = 256,
     else:
         policy = Goodput(cost_model or CostModel(*grid_axes(max_num_seqs, k), source="online",
                                                  draft_passes=[spec.draft_depth(n) for n in range(k + 1)]), k,
-                         token_budget=max_num_batched_tokens, demand=demand,
+                         token_budget=max_num_batched_tokens, demand=demand, queued=queued,
                          draft_slots=[spec.draft_slots(n) for n in range(k + 1)])
         policy.acceptance.marginal = spec.topk > 1
     policy.log = open(spec.decision_log, "a", buffering=1) if spec.decision_log else None
