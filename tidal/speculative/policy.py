@@ -243,7 +243,7 @@ class Goodput:
         request decoding or queued to, P the prompt tokens it feeds (not those the prefix
         cache served it, as far as known: a waiting request's hits show once it is admitted)
         and O its max_tokens (a request that stops at EOS makes fewer: the need is counted
-        low, and goodput drafts as before)."""
+        low, and the prices alone decide)."""
         queued = self.queued() if self.queued else []
         return sum(1 + (r.num_prompt_tokens - r.num_cached_prompt_tokens) / max(r.params.max_tokens, 1)
                    for r in (*requests, *queued))
