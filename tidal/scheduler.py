@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Iterator
 
 from tidal.config import EngineConfig
 from tidal.kv_cache import PagePool
@@ -195,16 +196,31 @@ class Scheduler:
             return None
         return rows, whole
 
+    def _admissible(self) -> Iterator[Request]:
+        """Waiting requests, first come first served, up to the first that the free seats and
+        pages cannot hold."""
+        free = self.pool.num_free
+        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
+            free -= pages_for(req.num_tokens, self.pool.page_size)
+            if free < 0:
+                return
+            yield req
+
+    def _feeding(self) -> Iterator[tuple[Request, int]]:
+        """Running requests still feeding their prompts, and the tokens each has left to feed
+        (a chunk the step in flight feeds counted as fed)."""
+        for req in self.running:
+            computed = req.num_computed + self.feeding.get(req, 0)
+            if computed < req.num_tokens - 1:
+                yield req, req.num_tokens - computed
+
     def _whole_prompts(self, budget: int) -> int | None:
         """Tokens of the waiting requests, first come first served, whose whole prompts fit in
         `budget`, the free seats and the free pages; None if the first that has a seat and
         pages does not fit whole in `budget` (it would be chunked). A prompt the pages cannot
         hold waits: it takes no budget from drafts."""
-        tokens, free = 0, self.pool.num_free
-        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
-            free -= pages_for(req.num_tokens, self.pool.page_size)
-            if free < 0:
-                break
+        tokens = 0
+        for req in self._admissible():
             if tokens + req.num_tokens > budget:
                 return None if tokens == 0 else tokens
             tokens += req.num_tokens
@@ -286,28 +302,18 @@ class Scheduler:
         counted, it would price the next step's drafts beside a prompt that step does not
         carry."""
         total = 0
-        for req in self.running:
-            computed = req.num_computed + self.feeding.get(req, 0)
-            if computed < req.num_tokens - 1:
-                total += req.num_tokens - computed
-                if total >= limit:
-                    return total
+        for _, left in self._feeding():
+            total += left
+            if total >= limit:
+                return total
         waiting = self._whole_prompts(limit - total)
         return limit if waiting is None else total + waiting
 
     def queued(self) -> list[Request]:
         """Requests that will decode once their prompts are fed: running ones still feeding
-        them (a chunk in flight counted as fed), then waiting ones the free seats and pages
-        hold, first come first served. A prompt the pages cannot hold is not: it waits for
-        pages, not for the budget."""
-        queued = [r for r in self.running if r.num_computed + self.feeding.get(r, 0) < r.num_tokens - 1]
-        free = self.pool.num_free
-        for req in itertools.islice(self.waiting, max(self.max_num_seqs - len(self.running), 0)):
-            free -= pages_for(req.num_tokens, self.pool.page_size)
-            if free < 0:
-                break
-            queued.append(req)
-        return queued
+        them, then waiting ones the free seats and pages hold. A prompt the pages cannot hold
+        is not: it waits for pages, not for the budget."""
+        return [req for req, _ in self._feeding()] + list(self._admissible())
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
