@@ -352,6 +352,23 @@ def test_no_drafts_beside_prompts_a_loop_needs_the_whole_budget_for():
     assert sum(choose(90)) > 0
 
 
+def test_the_loops_need_counts_the_outputs_requests_made_not_their_max_tokens():
+    """Requests that leave max_tokens at the context's length and stop at EOS after 100
+    tokens bring their successors' prompts as often as if they had asked for 100: once the
+    policy has seen such requests finish, 16 decoding with 100 queued 2,000-token prompts
+    need 2,116 budget tokens a step again, more than the 2,048 (by max_tokens alone, 66)."""
+    queue = [Request(f"q{i}", None, [7] * 2000, SamplingParams(max_tokens=4000), 0, ()) for i in range(100)]
+    policy = Goodput(nearly_free(), K, demand=lambda limit: limit, queued=lambda: queue)
+    earlier, now = make_requests(16), make_requests(16)
+    policy.choose(earlier, [K] * 16, 100)
+    for req in earlier:
+        req.token_ids += [9] * 100
+        req.finish("stop")
+    drafts = [sum(policy.choose(now, [K] * 16, 100)) for _ in range(63)]  # finished requests are seen every 64
+    assert drafts[-2] > 0 and drafts[-1] == 0
+    assert policy.stats()["loop_output_len"] == pytest.approx(100)
+
+
 def test_kv_headroom_caps_drafts():
     ks = Goodput(nearly_free(), K).choose(make_requests(16), [K] * 16, 0, kv_room=4)
     assert 0 < sum(ks) <= 4

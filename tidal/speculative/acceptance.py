@@ -56,11 +56,13 @@ class AcceptanceModel:
             rows = [self.row[req] if req in self.row else self._new_row(req) for req in requests]
         return np.array(rows, dtype=np.int64)
 
-    def release_finished(self) -> None:
-        """Free finished requests' rows; their votes and depth counts join the server's memory."""
-        done = np.array([self.row.pop(req) for req in [req for req in self.row if req.finished]], dtype=np.int64)
+    def release_finished(self) -> list[Request]:
+        """Free finished requests' rows; their votes and depth counts join the server's memory.
+        Returns those requests."""
+        finished = [req for req in self.row if req.finished]
+        done = np.array([self.row.pop(req) for req in finished], dtype=np.int64)
         if not len(done):
-            return
+            return finished
         live = np.flatnonzero(self.live)
         out, _ = self._walk(live)
         previous = out[np.searchsorted(live, done)][:, :-1]  # their estimates one position back
@@ -71,6 +73,7 @@ class AcceptanceModel:
         self.past_depth[1, 1:] += (self.tried[done, 1:] * previous).sum(axis=0)
         self.live[done] = False
         self.free.extend(done.tolist())
+        return finished
 
     def _votes(self, rows: np.ndarray) -> tuple[float, float]:
         """The rows' votes at position 1: rate times weight, and weight (n / (n + strength))."""

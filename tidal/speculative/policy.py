@@ -200,13 +200,14 @@ class Goodput:
         self.plain: tuple[list[Request], list[int], int, int, dict] | None = None
         self.num_decisions = self.num_held = self.num_probes = self.num_explored = self.num_reused = 0
         self.predicted = self.observed = 0.0
+        self.outputs = np.zeros(2)  # finished requests' output tokens and count, fading (`_learn_outputs`)
 
     # -- deciding --------------------------------------------------------------------------
 
     def choose(self, requests, limits, num_waiting, kv_room=None):
         self.num_decisions += 1
         if self.num_decisions % 64 == 0:
-            self.acceptance.release_finished()
+            self._learn_outputs(self.acceptance.release_finished())
         rows = self.acceptance.rows(requests)
         self.acceptance.age[rows] += 1
         room = max(self.token_budget - len(requests), 0)
@@ -242,11 +243,23 @@ class Goodput:
         """Budget tokens a step the loop needs at K = 0 (class docstring): 1 + P / O for every
         request decoding or queued to, P the prompt tokens it feeds (not those the prefix
         cache served it, as far as known: a waiting request's hits show once it is admitted)
-        and O its max_tokens (a request that stops at EOS makes fewer: the need is counted
-        low, and the prices alone decide)."""
+        and O the output tokens it will make: its max_tokens, or the mean output of the
+        requests that finished where that is less (requests that stop at EOS, or that left
+        max_tokens at the context's length), but never less than it has made."""
         queued = self.queued() if self.queued else []
-        return sum(1 + (r.num_prompt_tokens - r.num_cached_prompt_tokens) / max(r.params.max_tokens, 1)
+        mean = self._mean_output()
+        return sum(1 + (r.num_prompt_tokens - r.num_cached_prompt_tokens)
+                   / min(r.params.max_tokens, max(mean, r.num_output_tokens + 1))
                    for r in (*requests, *queued))
+
+    def _mean_output(self) -> float:
+        return self.outputs[0] / self.outputs[1] if self.outputs[1] else np.inf
+
+    def _learn_outputs(self, finished: list[Request]) -> None:
+        """Count the output tokens of requests that finished, the older fading as the
+        acceptance model's server estimate does (a server's traffic changes)."""
+        for req in finished:
+            self.outputs = self.outputs * (1 - 1 / self.acceptance.memory) + (req.num_output_tokens, 1)
 
     def _standing_plain(self, requests, limits, demand, cap, num_waiting) -> Choice | None:
         """The last K = 0 decision again while what it was made from stays (the same requests
@@ -408,6 +421,7 @@ class Goodput:
             "step_time": {"predicted_s": self.predicted, "observed_s": self.observed,
                           "mean_abs_rel_error": self.cost.error, "num_observed": self.cost.num_observed},
             "acceptance_per_position": self.acceptance.server().tolist(),
+            "loop_output_len": float(self._mean_output()) if self.outputs[1] else None,
         }
 
 
