@@ -164,7 +164,7 @@ class Client:
         seed = self.index * 100003 + self.sent
         self.sent += 1
         req = Request(f"{self.index}-{self.sent}", None, list(range(self.args.input_len)),
-                      SamplingParams(max_tokens=self.args.output_len, ignore_eos=True), seed, ())
+                      SamplingParams(max_tokens=self.args.max_tokens, ignore_eos=True), seed, ())
         req.status = Status.RUNNING
         return req, self.acceptance.rates(seed, self.args.rates_len), self
 
@@ -253,7 +253,7 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             if k:  # the drafter saw every token up to the drafts
                 req.num_absorbed = req.num_computed
             made += 1 + n
-            if req.num_tokens - req.num_prompt_tokens >= req.params.max_tokens:
+            if req.num_tokens - req.num_prompt_tokens >= args.output_len:  # its EOS, or its max_tokens
                 req.status = Status.FINISHED
                 waiting.append(client.next_request())
         decoding = [entry for entry in decoding if not entry[0].finished]
@@ -285,6 +285,9 @@ def main():
     p.add_argument("--concurrency", default="1,8,32,128,256")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int,
+                   help="the requests' max_tokens (default --output-len); where more, they stop at "
+                        "--output-len as at an EOS the engine does not foresee")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (trees: num_draft_tokens)")
     p.add_argument("--topk", type=int, default=1, help="trees of drafts, topk wide (1: chains)")
     p.add_argument("--depth", type=int, help="a tree's num_speculative_tokens (default --k)")
@@ -306,6 +309,9 @@ def main():
     p.add_argument("--json")
     p.add_argument("--decision-log", help="append every policy's line per step here (as the engine's decision_log)")
     args = p.parse_args()
+    args.max_tokens = args.max_tokens or args.output_len
+    if args.max_tokens < args.output_len:
+        p.error("--max-tokens: at least --output-len")
     log = open(args.decision_log, "a", buffering=1) if args.decision_log else None
     acceptance = SimulatedAcceptance.parse(json.loads(args.acceptance))
     if args.topk > 1 and "oracle" in args.modes.split(","):
