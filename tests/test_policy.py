@@ -356,7 +356,7 @@ def test_the_loops_need_counts_the_outputs_requests_made_not_their_max_tokens():
     """Requests that leave max_tokens at the context's length and stop at EOS after 100
     tokens bring their successors' prompts as often as if they had asked for 100: once the
     policy has seen such requests finish, 16 decoding with 100 queued 2,000-token prompts
-    need 2,116 budget tokens a step again, more than the 2,048 (by max_tokens alone, 66)."""
+    need 2,117 budget tokens a step, more than the 2,048 (by max_tokens alone, 166)."""
     queue = [Request(f"q{i}", None, [7] * 2000, SamplingParams(max_tokens=4000), 0, ()) for i in range(100)]
     policy = Goodput(nearly_free(), K, demand=lambda limit: limit, queued=lambda: queue)
     earlier, now = make_requests(16), make_requests(16)
