@@ -8,6 +8,7 @@ After the step it is told what the step cost and what verification accepted.
 
 from __future__ import annotations
 
+import itertools
 import json
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -219,13 +220,18 @@ class Goodput:
         if standing is not None:
             return standing
         limit = np.asarray(limits, dtype=np.int64)
-        prices = _Prices(self, requests, rows, limit, room, demand)
-        pick = self._pick(prices, requests, limit, cap)
+        ks, probes, wait, catch_up = np.zeros(len(requests), dtype=np.int64), [], self.probe_interval, 0
+        pick = _Pick(ks, ks)
+        if cap.open and limit.max() > 0:  # else no draft fits (budget, KV, limits): nothing to price
+            prices = _Prices(self, requests, rows, limit, room, demand)
+            pick = self._pick(prices, requests, limit, cap)
+            ks = pick.ks
+            # No probes while prompts wait for the budget: the batch is still growing, and
+            # what a probe would learn is worth most once the load has settled.
+            if not demand:
+                ks, probes, wait = self._probe(pick.ks, limit, rows, cap, prices.worth)
+            catch_up = int(prices.backlog[ks > 0].sum())
         self.previous = dict(zip(requests, pick.decided.tolist()))
-        # No probes while prompts wait for the budget: the batch is still growing, and what
-        # a probe would learn is worth most once the load has settled.
-        ks, probes, wait = self._probe(pick.ks, limit, rows, cap, prices.worth) if not demand else (pick.ks, [], 1)
-        catch_up = int(prices.backlog[ks > 0].sum())
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
         self.num_held += pick.held
         self.num_explored += pick.explored
@@ -240,17 +246,20 @@ class Goodput:
         return Choice(ks.tolist(), Decision(dict(zip(requests, ks.tolist())), catch_up, log))
 
     def _loop_need(self, requests) -> float:
-        """Budget tokens a step the loop needs at K = 0 (class docstring): 1 + P / O for every
-        request decoding or queued to, P the prompt tokens it feeds (not those the prefix
-        cache served it, as far as known: a waiting request's hits show once it is admitted)
-        and O the output tokens it will make: its max_tokens, or the mean output of the
-        requests that finished where that is less (requests that stop at EOS, or that left
-        max_tokens at the context's length), but never less than it has made."""
-        queued = self.queued() if self.queued else []
-        mean = self._mean_output()
-        return sum(1 + (r.num_prompt_tokens - r.num_cached_prompt_tokens)
-                   / min(r.params.max_tokens, max(mean, r.num_output_tokens + 1))
-                   for r in (*requests, *queued))
+        """Budget tokens a step the loop needs at K = 0 (class docstring), counted until they
+        pass the budget: 1 + P / O for every request queued to decode or decoding, P the
+        prompt tokens it feeds (not those the prefix cache served it, as far as known: a
+        waiting request's hits show once it is admitted) and O the output tokens it will make:
+        its max_tokens, or the mean output of the requests that finished where that is less
+        (requests that stop at EOS, or that left max_tokens at the context's length), but
+        never less than it has made."""
+        mean, need = self._mean_output(), 0.0
+        for r in itertools.chain(self.queued() if self.queued else (), requests):  # the queued bring the most
+            need += 1 + (r.num_prompt_tokens - r.num_cached_prompt_tokens) / min(
+                r.params.max_tokens, max(mean, len(r.token_ids) - r.num_prompt_tokens + 1))
+            if need > self.token_budget:
+                break
+        return need
 
     def _mean_output(self) -> float:
         return self.outputs[0] / self.outputs[1] if self.outputs[1] else np.inf
@@ -282,9 +291,6 @@ class Goodput:
     def _pick(self, prices: _Prices, requests, limit, cap) -> _Pick:
         """The candidate that scores best, or the previous decision where it is nearly as
         good; now and then a width beside it instead, run for its price."""
-        if not (cap.open and limit.max() > 0):
-            none = np.zeros(len(requests), dtype=np.int64)
-            return _Pick(none, none)
         tokens, shapes, ks_of = prices.candidates(limit, cap)
         alone = prices.seconds(*shapes)
         rates = tokens / alone
