@@ -242,31 +242,14 @@ class ChainDrafter(ABC):
         padded = limits + [0] * (len(self.limits) - len(limits)) if limits else []
         counters, rows_t, limits_t = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)]
                                                       if sampled else [], rows, padded], torch.int64, device)
-        rejected = None
-        if ahead and ahead.rejected is not None:
-            rejected = ahead.rejected if num_rows == len(plan.requests) else ahead.rejected[rows_t]
-        if sampled:
-            self.temperature[:num_rows].copy_(st.temperature)
-            self.seeds[:num_rows].copy_(st.seeds)
-            self.counters[:num_rows].copy_(counters if rejected is None else counters - rejected)
-        pages = [r.pages for r in reqs]
-
-        # A commit still to come may have raised num_absorbed past num_computed, which is
-        # where the drafter's trusted KV ends.
-        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
-        ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
-        starts, absorbing = self._absorb(reqs, starts, ends)
-        feeds, state = self.catch_up(reqs, starts, ends)
-        input_ids = None
-        if ahead:
-            source = ahead.tokens if num_rows == len(plan.requests) else ahead.tokens[rows_t]
-            input_ids = with_device_tails(feeds, pending, source)
-        _, state = self._run(feeds, starts, pages, state, input_ids, rejected, sampled)
+        subset = rows_t if num_rows < len(plan.requests) else None
+        _, state, rejected, absorbing = self._catch_up_rows(reqs, pending, st, counters if sampled else None,
+                                                             subset, ahead)
         if limits:
             self.limits.copy_(limits_t)
             if rejected is not None:
                 self.limits[:num_rows].sub_(rejected)
-            self._draft(reqs, pending, max(limits), pages, state, rejected, max(ks) - 1, sampled)
+            self._draft(reqs, pending, max(limits), [r.pages for r in reqs], state, rejected, max(ks) - 1, sampled)
         tokens = self.drafted[:max(ks), :num_rows].t().contiguous()
         for r, k, n in zip(reqs, ks, pending):
             r.num_absorbed = self.absorbed(r, k, n)
@@ -277,6 +260,34 @@ class ChainDrafter(ABC):
             tokens = torch.zeros(len(plan.requests), max(ks), dtype=torch.int64, device=device).index_copy_(
                 0, rows_t, tokens)
         return Drafts(tokens, lens, absorbing)
+
+    def _catch_up_rows(self, reqs, pending: list[int], st, counters, rows_t, ahead: Ahead | None):
+        """What chains and trees both start from: each row's sampling state (`counters`, its
+        output index, on the device; None where greedy), then the drafter's catch-up over
+        what it missed, absorbed in budget-sized forwards (`_absorb`) but for the tail the
+        last forward feeds (`_run`). `rows_t`: the plan rows of `reqs` on the device (None:
+        all of them). Returns that forward's logits and state, the tokens of a step in
+        flight that verification will reject, per row (None where none is in flight), and
+        the span of the absorbing forwards."""
+        sampled, b = counters is not None, len(reqs)
+        rejected = None
+        if ahead and ahead.rejected is not None:
+            rejected = ahead.rejected if rows_t is None else ahead.rejected[rows_t]
+        if sampled:
+            self.temperature[:b].copy_(st.temperature)
+            self.seeds[:b].copy_(st.seeds)
+            self.counters[:b].copy_(counters if rejected is None else counters - rejected)
+        # A commit still to come may have raised num_absorbed past num_computed, which is
+        # where the drafter's trusted KV ends.
+        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
+        ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
+        starts, absorbing = self._absorb(reqs, starts, ends)
+        feeds, state = self.catch_up(reqs, starts, ends)
+        input_ids = None
+        if ahead:
+            input_ids = with_device_tails(feeds, pending, ahead.tokens if rows_t is None else ahead.tokens[rows_t])
+        logits, state = self._run(feeds, starts, [r.pages for r in reqs], state, input_ids, rejected, sampled)
+        return logits, state, rejected, absorbing
 
     def _absorb(self, reqs, starts: list[int], ends: list[int]) -> tuple[list[int], Span | None]:
         """Absorb all but the last `tail` positions of every row's catch-up in forwards of at
@@ -374,23 +385,9 @@ class ChainDrafter(ABC):
         ks = [plan.draft_lens[i] for i in rows]
         b, sampled = len(reqs), not st.all_greedy
         rows_t = to_device(rows, torch.int64, device) if b < len(plan.requests) else None
-        rejected = None
-        if ahead and ahead.rejected is not None:
-            rejected = ahead.rejected if rows_t is None else ahead.rejected[rows_t]
-        if sampled:
-            counters = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)]], torch.int64,
-                                       device)[0]
-            self.temperature[:b].copy_(st.temperature)
-            self.seeds[:b].copy_(st.seeds)
-            self.counters[:b].copy_(counters if rejected is None else counters - rejected)
-        starts = [min(r.num_absorbed, r.num_computed) for r in reqs]
-        ends = [self.catch_up_end(r, n) for r, n in zip(reqs, pending)]
-        starts, absorbing = self._absorb(reqs, starts, ends)
-        feeds, state = self.catch_up(reqs, starts, ends)
-        input_ids = None
-        if ahead:
-            input_ids = with_device_tails(feeds, pending, ahead.tokens if rows_t is None else ahead.tokens[rows_t])
-        logits, state = self._run(feeds, starts, [r.pages for r in reqs], state, input_ids, rejected, sampled)
+        counters = to_device_parts([[r.num_output_tokens + n for r, n in zip(reqs, pending)]], torch.int64,
+                                   device)[0] if sampled else None
+        logits, state, rejected, absorbing = self._catch_up_rows(reqs, pending, st, counters, rows_t, ahead)
         for r, n in zip(reqs, pending):
             r.num_absorbed = self.catch_up_end(r, n)  # the tree's drafter KV is scratch
         # The growth's inputs, a row per request (it repeats them for each fed node on the
