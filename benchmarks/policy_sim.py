@@ -20,7 +20,9 @@ acceptance; what a GPU gives, `tidal bench matrix` measures. The "oracle" mode i
 told each request's true acceptance rates.
 
 Tokens per second are counted after `--warmup` steps, the clients' first requests starting
-at staggered points (a steady state). Every mode meets the same requests (each request's
+at staggered points (a steady state), or, with `--burst --warmup 0 --requests-per-client R`,
+as `tidal bench matrix` counts a cell: every client's first prompt at once, R requests a
+client (at least `--min-requests`), from the start until the last request is sent. Every mode meets the same requests (each request's
 rates come from its seed). For goodput, `expected_draft_tokens` sums what its estimates
 expected its drafts to add, `accepted_draft_tokens` what they added. `--pause-every N` adds
 `--pause-ms` to one step in N, at random (the same steps for every mode), as the H200's
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import random
@@ -182,13 +185,17 @@ class Told(AcceptanceModel):
         return np.array([by_row[r] for r in rows])
 
 
-def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) -> dict:
+def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int, seed: int) -> dict:
     """Steps of the closed loop as the engine runs them: decodes (with the policy's drafts)
     first, then waiting prompts in chunks up to the step's token budget; a request decodes
     from the step after its prompt's last chunk."""
-    rng = random.Random(args.seed)  # the stagger below, then each step's accept/reject draws
-    pauses = random.Random(args.seed + 1)  # which steps the host pauses in: the same ones for every mode
+    rng = random.Random(seed)  # the stagger below, then each step's accept/reject draws
+    pauses = random.Random(seed + 1)  # which steps the host pauses in: the same ones for every mode
     first = [Client(i, args, acceptance).next_request() for i in range(concurrency)]
+    # Requests in all (the matrix's count: --requests-per-client a client, at least --min-requests).
+    sent, total = concurrency, math.inf
+    if args.requests_per_client:
+        total = max(args.min_requests, round(args.requests_per_client * concurrency))
     decoding, waiting = [], []  # waiting: requests still feeding their prompts, in order of arrival
     if args.burst:  # every client's first prompt at once, as `tidal bench matrix` sends them
         waiting = first
@@ -255,7 +262,9 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             made += 1 + n
             if req.num_tokens - req.num_prompt_tokens >= args.output_len:  # its EOS, or its max_tokens
                 req.status = Status.FINISHED
-                waiting.append(client.next_request())
+                if sent < total:
+                    waiting.append(client.next_request())
+                    sent += 1
         decoding = [entry for entry in decoding if not entry[0].finished]
         for (req, rates, client), n in zip(list(waiting), chunks):
             req.num_computed += n
@@ -271,8 +280,10 @@ def simulate(policy, args, acceptance: SimulatedAcceptance, concurrency: int) ->
             if isinstance(policy, Goodput) and reqs:
                 expected += want
                 got += sum(accepted)
+        if sent == total:
+            break  # the last request is sent: the load is whole no longer
     row = {"mode": "oracle" if told else getattr(policy, "label", policy.name),
-           "concurrency": concurrency, "tokens_per_s": tokens / seconds}
+           "concurrency": concurrency, "tokens_per_s": tokens / seconds, "steps_counted": step + 1 - args.warmup}
     if isinstance(policy, Goodput):
         row.update(expected_draft_tokens=expected, accepted_draft_tokens=got)
     return row
@@ -295,9 +306,17 @@ def main():
     p.add_argument("--modes", default="none,fixed:1,fixed:2,fixed:4,goodput,oracle")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--warmup", type=int, default=300)
+    p.add_argument("--requests-per-client", type=float,
+                   help="the clients send this many requests a client (at least --min-requests in all), and "
+                        "a mode's figure counts the steps from the start until the last one is sent, as "
+                        "`tidal bench matrix` counts while the load is whole (with --burst and --warmup 0, "
+                        "the matrix's protocol; --steps caps it)")
+    p.add_argument("--min-requests", type=int, default=8)
     p.add_argument("--burst", action="store_true",
                    help="the clients' first prompts all at once (as the matrix sends them), not staggered")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", default="0",
+                   help="the draws' seed; several (comma-separated) run every cell once each, and the "
+                        "table ends with goodput's share of the best other mode at its lowest and median")
     p.add_argument("--pause-every", type=float, default=0,
                    help="the host pauses in one step of this many, at random (0: never)")
     p.add_argument("--pause-ms", type=float, default=250.0, help="how long a pause adds to its step")
@@ -323,8 +342,8 @@ def main():
     truth = COSTS[args.cost_model]
     args.cost = lambda b, drafts, max_draft, *rest: truth(b, drafts, max_draft, *rest,
                                                           passes=args.spec.draft_depth(max_draft), topk=args.topk)
-    rows = []
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    rows, shares, seeds = [], {}, [int(x) for x in args.seed.split(",")]
+    for seed, c in itertools.product(seeds, [int(x) for x in args.concurrency.split(",")]):
         cell = {}
         for mode in args.modes.split(","):
             if mode == "none":
@@ -338,7 +357,8 @@ def main():
                 if mode == "oracle":
                     policy.acceptance = Told(args.k)
             policy.log = log
-            row = simulate(policy, args, acceptance, c)
+            row = simulate(policy, args, acceptance, c, seed)
+            row["seed"] = seed
             rows.append(row)
             cell[row["mode"]] = row
         others = [r["tokens_per_s"] for m, r in cell.items() if m not in ("goodput", "oracle")]
@@ -346,9 +366,12 @@ def main():
         extra = ""
         if g and others:
             best = max(others)
+            shares.setdefault(c, []).append(g["tokens_per_s"] / best)
             extra = (f"  goodput/best {g['tokens_per_s'] / best:.3f}  drafts expected {g['expected_draft_tokens']:.0f}"
                      f" got {g['accepted_draft_tokens']:.0f}")
-        print(f"c={c:4d}  " + "  ".join(f"{m} {r['tokens_per_s']:7.0f}" for m, r in cell.items()) + extra, flush=True)
+        print(f"seed {seed}  c={c:4d}  " + "  ".join(f"{m} {r['tokens_per_s']:7.0f}" for m, r in cell.items()) + extra, flush=True)
+    for c, share in shares.items() if len(seeds) > 1 else ():
+        print(f"c={c:4d}  goodput/best over {len(share)} seeds: lowest {min(share):.3f}, median {np.median(share):.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("cost", "spec")}, "rows": rows}, f, indent=1)

@@ -157,6 +157,23 @@ def test_policy_sim_tool_where_long_prompts_bind_the_budget(tmp_path, max_tokens
     assert rate["fixed:2"] < rate["off"] and rate["goodput"] >= 0.97 * rate["off"], rate
 
 
+def test_policy_sim_tool_counts_a_cell_as_the_matrix_does(tmp_path):
+    """With --requests-per-client the simulated cell ends when the last request is sent, as
+    `tidal bench matrix` counts while the load is whole: 4 clients, 8 requests of 16 output
+    tokens; the first four prompts share step 0 (each its first token), and they finish in
+    step 15, when the last four are sent. Drafting finishes them sooner."""
+    path = os.pathsep.join(str(p) for p in (ROOT, ROOT / "benchmarks"))
+    out = tmp_path / "sim_cell.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "policy_sim.py"), "--burst", "--warmup", "0",
+                           "--requests-per-client", "2", "--min-requests", "8", "--acceptance", "0.9",
+                           "--input-len", "64", "--output-len", "16", "--concurrency", "4", "--steps", "1000",
+                           "--modes", "none,fixed:4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = {r["mode"]: r["steps_counted"] for r in json.loads(out.read_text())["rows"]}
+    assert steps["off"] == 16 and steps["fixed:4"] < 16, steps
+
+
 def test_policy_sim_tool_with_trees(tmp_path):
     """Trees in the simulated closed loop: every tree of K nodes is the best K of one tree
     (`SpecConfig.draft_depth`), so what goodput learns of each node's chance is what a larger
