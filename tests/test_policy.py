@@ -247,6 +247,21 @@ def test_probe_refreshes_a_request_stuck_at_zero():
     assert k == K
 
 
+def test_an_unlucky_first_step_is_undone_by_probes_soon():
+    """Eight requests where a draft adds half a plain step: K = 1 pays above acceptance 0.5.
+    The first drafts of four requests were rejected but for one (the estimate falls to 0.3,
+    on four trials), and the truth is 0.7. The estimate is doubtful: at two standard errors
+    above it drafting would pay, so probes come at once, and the requests draft within a few
+    decisions (13 where probes kept their cost-based pace)."""
+    model = cost(lambda b, w: 0.008 + 0.001 * b + 0.001 * b * (w - 1))
+    policy, rng = Goodput(model, K), random.Random(0)
+    reqs = make_requests(8)
+    policy.acceptance.update(policy.acceptance.rows(reqs)[:4], np.full(4, 4), np.array([0, 0, 1, 0]))
+    assert policy.acceptance.server()[0] == pytest.approx(0.3) and policy.acceptance.doubt() > 0.2
+    drafting = [sum(k > 0 for k in step(policy, reqs, [0.7] * 8, rng)) > 4 for _ in range(20)]
+    assert drafting.index(True) < 8, drafting
+
+
 def test_a_plain_decision_stands_while_its_inputs_do():
     """K = 0 for a batch is not decided again while the batch, its limits and the waiting
     prompts stay and no probe is due; anything else is a new decision."""

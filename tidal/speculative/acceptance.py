@@ -41,6 +41,7 @@ class AcceptanceModel:
         # Finished requests' `_votes`, and their accepts per position with those their own
         # estimate one position back gave (`_walk`), fading per request that finishes.
         self.past_votes = np.zeros(2)
+        self.past_trials = 0.0  # their trials at position 1 (`doubt`)
         self.past_depth = np.zeros((2, max_draft_len))
         self.accepted = np.zeros((0, max_draft_len))
         self.tried = np.zeros((0, max_draft_len))
@@ -68,6 +69,7 @@ class AcceptanceModel:
         previous = out[np.searchsorted(live, done)][:, :-1]  # their estimates one position back
         fade = (1 - 1 / self.memory) ** len(done)
         self.past_votes = self.past_votes * fade + self._votes(done)
+        self.past_trials = self.past_trials * fade + float(self.tried[done, 0].sum())
         self.past_depth *= fade
         self.past_depth[0, 1:] += self.accepted[done, 1:].sum(axis=0)
         self.past_depth[1, 1:] += (self.tried[done, 1:] * previous).sum(axis=0)
@@ -94,6 +96,14 @@ class AcceptanceModel:
         self.live[r] = True
         return r
 
+    def doubt(self) -> float:
+        """One standard error of the typical request's acceptance at position 1, from the
+        trials behind it (the live requests' and the remembered finished ones'): how far the
+        estimate may be off while evidence is thin (the first steps, or probes alone)."""
+        live = np.flatnonzero(self.live)
+        p = self._first(live)
+        return float(np.sqrt(p * (1 - p) / (self.tried[live, 0].sum() + self.past_trials + 1)))
+
     def server(self) -> np.ndarray:
         """Server-wide conditional acceptance per position: the typical request's."""
         live = np.flatnonzero(self.live)
@@ -106,14 +116,14 @@ class AcceptanceModel:
         vote = 1 / (1 + self.strength)  # what the initial guess counts for: one trial's vote
         return (accepted + self.past_votes[0] + vote * self.initial) / (weight + self.past_votes[1] + vote)
 
-    def estimates(self, rows: np.ndarray) -> np.ndarray:
+    def estimates(self, rows: np.ndarray, lift: float = 0.0) -> np.ndarray:
         """[len(rows), max_draft_len] conditional acceptance per request and position (the
-        rows are live: `rows` made them so)."""
+        rows are live: `rows` made them so); `lift` raises the typical request's first."""
         live = np.flatnonzero(self.live)
-        out, _ = self._walk(live)
+        out, _ = self._walk(live, lift)
         return out[np.searchsorted(live, rows)]
 
-    def _walk(self, live: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _walk(self, live: np.ndarray, lift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """Every live request's estimates, position by position, and the drafter's fall-off
         with depth (acceptance at m over acceptance at m-1; 1 at position 1).
 
@@ -127,7 +137,7 @@ class AcceptanceModel:
         accepted, tried = self.accepted[live], self.tried[live]
         out = np.empty_like(accepted)
         depth = np.ones(self.max_draft_len)
-        prior = self._first(live)
+        prior = min(self._first(live) + lift, 1 - 1e-3)
         for m in range(self.max_draft_len):
             if m:
                 seen = accepted[:, m].sum() + self.past_depth[0, m]
@@ -137,10 +147,10 @@ class AcceptanceModel:
             out[:, m] = (accepted[:, m] + self.strength * prior) / (tried[:, m] + self.strength)
         return out, depth
 
-    def gains(self, rows: np.ndarray, limit: int) -> np.ndarray:
+    def gains(self, rows: np.ndarray, limit: int, lift: float = 0.0) -> np.ndarray:
         """[len(rows), limit] expected tokens each further draft adds: a chain's m-th draft
         counts if every one before it is accepted, a tree's m-th node if it is."""
-        estimates = self.estimates(rows)[:, :limit]
+        estimates = self.estimates(rows, lift)[:, :limit]
         return estimates.copy() if self.marginal else np.cumprod(estimates, axis=1)
 
     def update_nodes(self, rows: np.ndarray, drafted: np.ndarray, hits: np.ndarray) -> None:

@@ -8,6 +8,7 @@ After the step it is told what the step cost and what verification accepted.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from bisect import bisect_right
@@ -229,7 +230,7 @@ class Goodput:
             # No probes while prompts wait for the budget: the batch is still growing, and
             # what a probe would learn is worth most once the load has settled.
             if not demand:
-                ks, probes, wait = self._probe(pick.ks, limit, rows, cap, prices.worth)
+                ks, probes, wait = self._probe(pick.ks, limit, rows, cap, prices)
             catch_up = int(prices.backlog[ks > 0].sum())
         self.previous = dict(zip(requests, pick.decided.tolist()))
         self.steps_since_drafting = 0 if ks.any() else self.steps_since_drafting + 1
@@ -347,7 +348,7 @@ class Goodput:
                 return j
         return None
 
-    def _probe(self, ks, limit, rows, cap, worth):
+    def _probe(self, ks, limit, rows, cap, prices: _Prices):
         """Let the requests at K = 0 that have gone longest without drafting draft one token,
         so that their acceptance estimates do not stay stale where they were left, when the
         drafter runs anyway this step or has not run for `interval` steps.
@@ -359,7 +360,13 @@ class Goodput:
         in proportion otherwise, so that probes take about probe_overhead / probe_interval
         of the time: a request whose estimate almost pays is probed often (a run of
         rejections cannot park it at K = 0 for good), one with a long history at high load
-        rarely. Returns the K with the probes, the rows probed, and how many decisions from
+        rarely. Where nobody drafts, probes alone bring evidence, and a probe is also worth
+        what it may teach: were the typical acceptance at the top of what the evidence allows
+        (two standard errors above its estimate), the best candidate would beat K = 0 by a
+        share `stake` of its rate, and probes take that share of the time more, until enough
+        trials show which side of K = 0 the acceptance lies (a few unlucky first drafts would
+        otherwise leave K = 0 for as long as probes at the cost-based pace take to undo them).
+        Returns the K with the probes, the rows probed, and how many decisions from
         now a probe could come at the earliest, all else staying."""
         age = self.acceptance.age[rows]
         idle = np.flatnonzero((ks == 0) & (limit > 0))
@@ -369,8 +376,12 @@ class Goodput:
         chosen = idle[np.argsort(-age[idle], kind="stable")[:room]]
         probed = ks.copy()
         probed[chosen] = 1
-        (seconds, probe_seconds), (tokens, probe_tokens) = worth(np.stack([ks, probed]))
+        (seconds, probe_seconds), (tokens, probe_tokens) = prices.worth(np.stack([ks, probed]))
         interval = self.probe_interval * (probe_seconds / seconds - probe_tokens / tokens) / self.probe_overhead
+        if not ks.any():  # nobody drafts: only probes bring evidence
+            share = self.probe_overhead / self.probe_interval
+            stake = prices.lifted(self.acceptance, rows, limit, 2 * self.acceptance.doubt()).stake(ks, limit, cap)
+            interval *= share / (share + stake)
         # Decisions until one could probe (ages and steps_since_drafting grow by one a decision).
         wait = max(1, int(np.ceil(interval - min(age[idle].max(), self.steps_since_drafting))))
         chosen = chosen[age[chosen] >= interval]
@@ -482,8 +493,7 @@ class _Prices:
         self.context = int(length.sum())
         left = most - (length - prompt)  # tokens the request may still produce
         self.backlog = np.maximum(missed - policy.acceptance.max_draft_len - 1, 0)  # past what a verify step leaves
-        self.gain = policy.acceptance.gains(rows, limit.max())
-        self.gain[np.arange(self.gain.shape[1]) >= limit[:, None]] = 0.0
+        self.gain = _gains(policy.acceptance, rows, limit)
         self.plain_step = float(self.cost.step_time(self.b, 0, 0, 0, self.context))  # the decodes' plain step
         # What each request brings to the step if it drafts: itself, its catch-up, and the
         # share of that charged now, for its own token here and `per_token` for each draft's.
@@ -570,6 +580,18 @@ class _Prices:
                 "step_s": step, "tax_s": tax, "catch_up_s": charge, "plain_s": float(self.plain_step),
                 "acceptance_1": float(self.gain[limit > 0, 0].mean())}
 
+    def lifted(self, acceptance: AcceptanceModel, rows, limit, lift: float) -> _Prices:
+        """These prices with the typical request's acceptance at position 1 `lift` higher."""
+        prices = copy.copy(self)
+        prices.gain = _gains(acceptance, rows, limit, lift)
+        return prices
+
+    def stake(self, ks, limit, cap: _Room) -> float:
+        """How much more a second the best candidate makes than `ks` does, as a share of it."""
+        tokens, shapes, _ = self.candidates(limit, cap)
+        made, *shape = self.shape(ks)
+        return max(float((tokens / self.seconds(*shapes)).max()) * self.seconds(*shape) / made - 1, 0.0)
+
     def worth(self, ks):
         """For each row of ks (K per request): seconds of the step (probes come only where no
         prompt wants the step), catch-up in full and taxed by the prices' error as drafts
@@ -580,6 +602,14 @@ class _Prices:
         drafted = np.arange(self.gain.shape[1]) < ks[:, :, None]
         return (seconds + np.where(n > 0, self.cost.error * self.plain_step, 0.0),
                 self.b + (self.gain * drafted).sum(axis=(1, 2)))
+
+
+def _gains(acceptance: AcceptanceModel, rows, limit, lift: float = 0.0) -> np.ndarray:
+    """Each request's expected tokens per further draft (`AcceptanceModel.gains`), none past
+    its limit."""
+    gain = acceptance.gains(rows, limit.max(), lift)
+    gain[np.arange(gain.shape[1]) >= limit[:, None]] = 0.0
+    return gain
 
 
 def nodes_hit(paths: np.ndarray, num_nodes: int) -> np.ndarray:
