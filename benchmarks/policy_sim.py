@@ -22,12 +22,12 @@ told each request's true acceptance rates.
 Tokens per second are counted after `--warmup` steps, the clients' first requests starting
 at staggered points (a steady state), or, with `--burst --warmup 0 --requests-per-client R`,
 as `tidal bench matrix` counts a cell: every client's first prompt at once, R requests a
-client (at least `--min-requests`), from the start until the last request is sent. Every mode meets the same requests (each request's
-rates come from its seed). For goodput, `expected_draft_tokens` sums what its estimates
-expected its drafts to add, `accepted_draft_tokens` what they added. `--pause-every N` adds
-`--pause-ms` to one step in N, at random (the same steps for every mode), as the H200's
-servers paused for 180-290 ms every few hundred steps at 128 clients and more (runs 101-103).
-Writes --json if given.
+client (at least `--min-requests`), from the start until the last request is sent. Every
+mode meets the same requests (each request's rates come from its seed). For goodput,
+`expected_draft_tokens` sums what its estimates expected its drafts to add,
+`accepted_draft_tokens` what they added. `--pause-every N` adds `--pause-ms` to one step in
+N, at random (the same steps for every mode), as the H200's servers paused for 180-290 ms
+every few hundred steps at 128 clients and more (runs 101-103). Writes --json if given.
 """
 
 from __future__ import annotations

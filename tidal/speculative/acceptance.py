@@ -98,8 +98,9 @@ class AcceptanceModel:
 
     def doubt(self) -> float:
         """One standard error of the typical request's acceptance at position 1, from the
-        trials behind it (the live requests' and the remembered finished ones'): how far the
-        estimate may be off while evidence is thin (the first steps, or probes alone)."""
+        trials behind it (the live requests' and the remembered finished ones', as if they
+        were one sample): how far the estimate may be off while evidence is thin (the first
+        steps, or probes alone)."""
         live = np.flatnonzero(self.live)
         p = self._first(live)
         return float(np.sqrt(p * (1 - p) / (self.tried[live, 0].sum() + self.past_trials + 1)))
