@@ -252,7 +252,7 @@ def test_an_unlucky_first_step_is_undone_by_probes_soon():
     The first drafts of four requests were rejected but for one (the estimate falls to 0.3,
     on four trials), and the truth is 0.7. The estimate is doubtful: at two standard errors
     above it drafting would pay, so probes come at once, and the requests draft within a few
-    decisions (13 where probes kept their cost-based pace)."""
+    decisions, sooner than probes at their cost-based pace would bring them to."""
     model = cost(lambda b, w: 0.008 + 0.001 * b + 0.001 * b * (w - 1))
     policy, rng = Goodput(model, K), random.Random(0)
     reqs = make_requests(8)
