@@ -362,7 +362,7 @@ class Goodput:
         rejections cannot park it at K = 0 for good), one with a long history at high load
         rarely. Where nobody drafts, probes alone bring evidence, and a probe is also worth
         what it may teach: were the typical acceptance at the top of what the evidence allows
-        (two standard errors above its estimate), the best candidate would beat K = 0 by a
+        (two standard errors above its estimate), the best uniform K would beat K = 0 by a
         share `stake` of its rate, and probes take that share of the time more, until enough
         trials show which side of K = 0 the acceptance lies (a few unlucky first drafts would
         otherwise leave K = 0 for as long as probes at the cost-based pace take to undo them).
@@ -380,7 +380,7 @@ class Goodput:
         interval = self.probe_interval * (probe_seconds / seconds - probe_tokens / tokens) / self.probe_overhead
         if not ks.any():  # nobody drafts: only probes bring evidence
             share = self.probe_overhead / self.probe_interval
-            stake = prices.lifted(self.acceptance, rows, limit, 2 * self.acceptance.doubt()).stake(ks, limit, cap)
+            stake = prices.lifted(self.acceptance, rows, limit, 2 * self.acceptance.doubt()).stake(limit, cap)
             interval *= share / (share + stake)
         # Decisions until one could probe (ages and steps_since_drafting grow by one a decision).
         wait = max(1, int(np.ceil(interval - min(age[idle].max(), self.steps_since_drafting))))
@@ -523,22 +523,30 @@ class _Prices:
         each = np.where((pos == 0)[:, None], brings[row], 0.0)
         each[:, 2] += per_token[row] * flat[order]
         drafting = np.concatenate([np.zeros((1, brings.shape[1])), np.cumsum(each, axis=0)])
-        # The same K = w for every request that may draft it.
-        w = np.arange(1, width + 1)
-        uniform = np.minimum(limit[:, None], w)
-        total = uniform.sum(axis=0)
-        made = np.cumsum(gain, axis=1)  # expected tokens beyond the first at K = 1 .. width
-        fits = (total <= cap.drafts) & (cap.per_k[uniform].sum(axis=0) <= cap.slots)
-        alike = np.where(fits, b + made.sum(axis=0), -np.inf)
-        bring = np.tile(brings[limit > 0].sum(axis=0), (width, 1))
-        bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
+        alike, (total, w, bring), same_k = self.uniform(limit, cap)
 
         def ks_of(j):
-            return np.bincount(row[:j], minlength=b) if j <= len(order) else uniform[:, j - len(order) - 1]
+            return np.bincount(row[:j], minlength=b) if j <= len(order) else same_k[:, j - len(order) - 1]
 
         shapes = (np.concatenate([np.arange(len(order) + 1), total]), np.concatenate([longest, w]),
                   np.concatenate([drafting, bring]))
         return np.concatenate([tokens, alike]), shapes, ks_of
+
+    def uniform(self, limit, cap: _Room):
+        """The same K = w for every request that may draft it, w = 1 .. width, within `cap`:
+        expected tokens (-inf where it does not fit), step shapes, and K per request (a
+        column per w)."""
+        gain, brings, per_token = self.gain, self.brings, self.per_token
+        b, width = gain.shape
+        w = np.arange(1, width + 1)
+        ks = np.minimum(limit[:, None], w)
+        total = ks.sum(axis=0)
+        made = np.cumsum(gain, axis=1)  # expected tokens beyond the first at K = 1 .. width
+        fits = (total <= cap.drafts) & (cap.per_k[ks].sum(axis=0) <= cap.slots)
+        alike = np.where(fits, b + made.sum(axis=0), -np.inf)
+        bring = np.tile(brings[limit > 0].sum(axis=0), (width, 1))
+        bring[:, 2] += per_token[limit > 0] @ made[limit > 0]
+        return alike, (total, w, bring), ks
 
     def shape(self, ks):
         """Expected tokens and step shape of one K per request."""
@@ -586,11 +594,12 @@ class _Prices:
         prices.gain = _gains(acceptance, rows, limit, lift)
         return prices
 
-    def stake(self, ks, limit, cap: _Room) -> float:
-        """How much more a second the best candidate makes than `ks` does, as a share of it."""
-        tokens, shapes, _ = self.candidates(limit, cap)
-        made, *shape = self.shape(ks)
-        return max(float((tokens / self.seconds(*shapes)).max()) * self.seconds(*shape) / made - 1, 0.0)
+    def stake(self, limit, cap: _Room) -> float:
+        """How much more a second the best uniform K makes than K = 0 for everyone, as a share
+        of it: what a server-wide rise in acceptance would buy (the likeliest drafts' family,
+        which sorts every draft of the batch, is left out: it would double a decision's cost)."""
+        tokens, shape, _ = self.uniform(limit, cap)
+        return max(float((tokens / self.seconds(*shape)).max()) * self.plain_step / self.b - 1, 0.0)
 
     def worth(self, ks):
         """For each row of ks (K per request): seconds of the step (probes come only where no
